@@ -1,0 +1,103 @@
+// Box geometry used by the NMS kernels on every device.
+//
+// Boxes are (x1, y1, x2, y2). All arithmetic happens in the accumulation type T (float for
+// float16 / bfloat16 / float32 boxes, double for float64). Every product and sum is rounded
+// explicitly, so a CUDA compiler cannot contract `a + b - w * h` into a fused multiply-add:
+// CPU and CUDA kernels therefore decide every IoU comparison identically.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#include "macros.h"
+
+namespace detops {
+namespace geometry {
+
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE T mul_rn(T a, T b) {
+#ifdef __CUDA_ARCH__
+  return a * b;  // specialised below for float and double
+#else
+  return a * b;
+#endif
+}
+
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE T add_rn(T a, T b) {
+  return a + b;
+}
+
+#ifdef __CUDA_ARCH__
+template <>
+__device__ inline float mul_rn<float>(float a, float b) {
+  return __fmul_rn(a, b);
+}
+template <>
+__device__ inline double mul_rn<double>(double a, double b) {
+  return __dmul_rn(a, b);
+}
+template <>
+__device__ inline float add_rn<float>(float a, float b) {
+  return __fadd_rn(a, b);
+}
+template <>
+__device__ inline double add_rn<double>(double a, double b) {
+  return __dadd_rn(a, b);
+}
+#endif
+
+// max / min written as comparisons so that host and device agree bit for bit (fmaxf and
+// std::max treat NaN differently). NaN boxes never matter here: their area is NaN, which
+// makes every IoU involving them NaN.
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE T max_of(T a, T b) {
+  return a < b ? b : a;
+}
+
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE T min_of(T a, T b) {
+  return b < a ? b : a;
+}
+
+// max(x, 0) that maps NaN to 0.
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE T clamp_positive(T x) {
+  return x > T(0) ? x : T(0);
+}
+
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE T box_area(T x1, T y1, T x2, T y2) {
+  return mul_rn(x2 - x1, y2 - y1);
+}
+
+// True when IoU(a, b) > threshold, with IoU = inter / (area_a + area_b - inter), computed as
+// IEEE division in T. A NaN IoU (NaN coordinates, or two empty boxes) is never above the
+// threshold. `threshold` is the threshold already converted by `iou_threshold_as<T>`.
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE bool iou_above(
+    T ax1, T ay1, T ax2, T ay2, T area_a,
+    T bx1, T by1, T bx2, T by2, T area_b,
+    T threshold) {
+  const T w = clamp_positive(min_of(ax2, bx2) - max_of(ax1, bx1));
+  const T h = clamp_positive(min_of(ay2, by2) - max_of(ay1, by1));
+  const T inter = mul_rn(w, h);
+  const T uni = add_rn(area_a, area_b) - inter;
+  return inter / uni > threshold;
+}
+
+// The threshold in T such that, for every value v of type T, `v > t` holds exactly when
+// the real number v is greater than the double `threshold`: the largest T not above it.
+// (For a float IoU this equals comparing the IoU promoted to double with the double
+// threshold, without any double arithmetic in the kernel.)
+template <typename T>
+inline T iou_threshold_as(double threshold) {
+  T t = static_cast<T>(threshold);
+  if (static_cast<double>(t) > threshold) {
+    t = std::nextafter(t, -std::numeric_limits<T>::infinity());
+  }
+  return t;
+}
+
+}  // namespace geometry
+}  // namespace detops

@@ -1,0 +1,25 @@
+// Small helpers shared by the CUDA kernel files.
+#pragma once
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace detops {
+namespace cuda {
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// Blocks for a grid-stride loop over n items, capped so that huge n still launches.
+inline unsigned int grid_for(int64_t n, int threads) {
+  const int64_t blocks = ceil_div(n, threads);
+  const int64_t cap = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 32;
+  return static_cast<unsigned int>(std::max<int64_t>(1, std::min(blocks, cap)));
+}
+
+}  // namespace cuda
+}  // namespace detops

@@ -1,0 +1,182 @@
+// The one detops module: op schemas, the public C++ API, and (in the Python extension) the
+// maskrcnn-benchmark style pybind11 entries. Kernels live in cpu/<op>.cpp and cuda/<op>.cu and
+// register themselves with TORCH_LIBRARY_IMPL; the entries here only call the dispatcher.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "detops.h"
+
+#ifdef DETOPS_WITH_PYTHON
+#include <torch/extension.h>
+#endif
+
+#include <torch/version.h>
+
+// "major.minor.patch" of the torch headers this file was compiled against.
+#define DETOPS_STR2(x) #x
+#define DETOPS_STR(x) DETOPS_STR2(x)
+#define DETOPS_TORCH_VERSION \
+  DETOPS_STR(TORCH_VERSION_MAJOR) "." DETOPS_STR(TORCH_VERSION_MINOR) "." DETOPS_STR(TORCH_VERSION_PATCH)
+
+TORCH_LIBRARY(detops, m) {
+  m.def("nms(Tensor boxes, Tensor scores, float iou_threshold) -> Tensor");
+  m.def("batched_nms(Tensor boxes, Tensor scores, Tensor idxs, float iou_threshold) -> Tensor");
+  m.def(
+      "roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+      "SymInt pooled_width, int sampling_ratio, bool aligned) -> Tensor");
+  m.def(
+      "_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, "
+      "SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width, "
+      "int sampling_ratio, bool aligned) -> Tensor");
+  m.def(
+      "roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+      "SymInt pooled_width) -> (Tensor, Tensor)");
+  m.def(
+      "_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, "
+      "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, "
+      "SymInt height, SymInt width) -> Tensor");
+}
+
+#ifndef WITH_CUDA
+namespace {
+// A build without CUDA kernels still owns the CUDA dispatch key of every op, so that a CUDA
+// tensor gets an explanation and a rebuild command instead of "could not run ... with
+// arguments from the 'CUDA' backend".
+void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/) {
+  std::string name = op.schema().name();
+  const auto sep = name.find("::");
+  if (sep != std::string::npos) name = "detops." + name.substr(sep + 2);
+  TORCH_CHECK(
+      false, name, ": got CUDA tensors, but this detops._C was built without CUDA kernels "
+      "(against torch ", DETOPS_TORCH_VERSION, ", CPU only). Rebuild it with nvcc on the PATH "
+      "and a CUDA build of torch: FORCE_CUDA=1 pip install -e . --no-build-isolation");
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(detops, CUDA, m) {
+  for (const char* name : {"nms", "batched_nms", "roi_align", "_roi_align_backward", "roi_pool",
+                           "_roi_pool_backward"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  }
+}
+#endif
+
+namespace detops {
+namespace ops {
+
+namespace {
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+}  // namespace
+
+at::Tensor nms(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold) {
+  static auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("detops::nms");
+  return op.call(boxes, scores, iou_threshold);
+}
+
+at::Tensor batched_nms(
+    const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& idxs,
+    double iou_threshold) {
+  static auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+      "detops::batched_nms");
+  return op.call(boxes, scores, idxs, iou_threshold);
+}
+
+at::Tensor roi_align(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, int64_t sampling_ratio, bool aligned) {
+  static auto op = op_handle<at::Tensor(
+      const at::Tensor&, const at::Tensor&, double, c10::SymInt, c10::SymInt, int64_t, bool)>(
+      "detops::roi_align");
+  return op.call(
+      input, rois, spatial_scale, c10::SymInt(pooled_height), c10::SymInt(pooled_width),
+      sampling_ratio, aligned);
+}
+
+at::Tensor roi_align_backward(
+    const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, int64_t batch_size, int64_t channels, int64_t height, int64_t width,
+    int64_t sampling_ratio, bool aligned) {
+  static auto op = op_handle<at::Tensor(
+      const at::Tensor&, const at::Tensor&, double, c10::SymInt, c10::SymInt, c10::SymInt,
+      c10::SymInt, c10::SymInt, c10::SymInt, int64_t, bool)>("detops::_roi_align_backward");
+  return op.call(
+      grad, rois, spatial_scale, c10::SymInt(pooled_height), c10::SymInt(pooled_width),
+      c10::SymInt(batch_size), c10::SymInt(channels), c10::SymInt(height), c10::SymInt(width),
+      sampling_ratio, aligned);
+}
+
+std::tuple<at::Tensor, at::Tensor> roi_pool(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width) {
+  static auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, double, c10::SymInt, c10::SymInt)>("detops::roi_pool");
+  return op.call(
+      input, rois, spatial_scale, c10::SymInt(pooled_height), c10::SymInt(pooled_width));
+}
+
+at::Tensor roi_pool_backward(
+    const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
+    double spatial_scale, int64_t pooled_height, int64_t pooled_width, int64_t batch_size,
+    int64_t channels, int64_t height, int64_t width) {
+  static auto op = op_handle<at::Tensor(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, double, c10::SymInt, c10::SymInt,
+      c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt)>("detops::_roi_pool_backward");
+  return op.call(
+      grad, rois, argmax, spatial_scale, c10::SymInt(pooled_height), c10::SymInt(pooled_width),
+      c10::SymInt(batch_size), c10::SymInt(channels), c10::SymInt(height), c10::SymInt(width));
+}
+
+bool with_cuda() {
+#ifdef WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace ops
+}  // namespace detops
+
+#ifdef DETOPS_WITH_PYTHON
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "detops compiled ops (maskrcnn-benchmark style entries over the dispatcher ops)";
+  m.def("nms", &detops::ops::nms, "NMS: kept indices by decreasing score", py::arg("dets"),
+        py::arg("scores"), py::arg("threshold"));
+  m.def("batched_nms", &detops::ops::batched_nms, "per-category NMS", py::arg("boxes"),
+        py::arg("scores"), py::arg("idxs"), py::arg("threshold"));
+  m.def("roi_align_forward", &detops::ops::roi_align, "RoIAlign forward", py::arg("input"),
+        py::arg("rois"), py::arg("spatial_scale"), py::arg("pooled_height"),
+        py::arg("pooled_width"), py::arg("sampling_ratio"), py::arg("aligned") = false);
+  m.def("roi_align_backward", &detops::ops::roi_align_backward, "RoIAlign backward",
+        py::arg("grad"), py::arg("rois"), py::arg("spatial_scale"), py::arg("pooled_height"),
+        py::arg("pooled_width"), py::arg("batch_size"), py::arg("channels"), py::arg("height"),
+        py::arg("width"), py::arg("sampling_ratio"), py::arg("aligned") = false);
+  m.def("roi_pool_forward", &detops::ops::roi_pool, "RoIPool forward: (output, argmax)",
+        py::arg("input"), py::arg("rois"), py::arg("spatial_scale"), py::arg("pooled_height"),
+        py::arg("pooled_width"));
+  m.def(
+      "roi_pool_backward",
+      [](const at::Tensor& grad, const at::Tensor& /*input*/, const at::Tensor& rois,
+         const at::Tensor& argmax, double spatial_scale, int64_t pooled_height,
+         int64_t pooled_width, int64_t batch_size, int64_t channels, int64_t height,
+         int64_t width) {
+        return detops::ops::roi_pool_backward(
+            grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size, channels,
+            height, width);
+      },
+      "RoIPool backward (input is accepted for maskrcnn-benchmark compatibility and unused)",
+      py::arg("grad"), py::arg("input"), py::arg("rois"), py::arg("argmax"),
+      py::arg("spatial_scale"), py::arg("pooled_height"), py::arg("pooled_width"),
+      py::arg("batch_size"), py::arg("channels"), py::arg("height"), py::arg("width"));
+  m.def("with_cuda", &detops::ops::with_cuda, "whether CUDA kernels were compiled in");
+  m.def("torch_version", []() { return std::string(DETOPS_TORCH_VERSION); },
+        "the torch version this extension was built against");
+}
+#endif

@@ -1,0 +1,39 @@
+"""Helpers shared by the Python op wrappers."""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+
+def pair(size: Union[int, Sequence[int]], op: str, name: str = "output_size") -> Tuple[int, int]:
+    """(h, w) from an int or a pair, with a clear error for anything else."""
+    if isinstance(size, int):
+        return size, size
+    try:
+        h, w = size
+    except (TypeError, ValueError):
+        raise ValueError(f"{op}: {name} must be an int or a pair of ints, got {size!r}") from None
+    return int(h), int(w)
+
+
+def boxes_to_rois(boxes: Union[Tensor, List[Tensor]], op: str) -> Tensor:
+    """A [K, 5] (batch index, x1, y1, x2, y2) tensor from a [K, 5] tensor or a list of
+    per-image [L, 4] tensors."""
+    if isinstance(boxes, Tensor):
+        return boxes
+    if not isinstance(boxes, (list, tuple)):
+        raise TypeError(f"{op}: boxes must be a Tensor[K, 5] or a list of Tensor[L, 4], got {type(boxes).__name__}")
+    for i, b in enumerate(boxes):
+        if not isinstance(b, Tensor) or b.dim() != 2 or b.size(1) != 4:
+            shape = list(b.shape) if isinstance(b, Tensor) else type(b).__name__
+            raise ValueError(f"{op}: boxes[{i}] must be a [L, 4] tensor, got {shape}")
+    if len(boxes) == 0:
+        raise ValueError(f"{op}: boxes is an empty list; pass one [L, 4] tensor per image")
+    cat = torch.cat(list(boxes), dim=0)
+    idx = torch.cat(
+        [torch.full((b.size(0), 1), i, dtype=cat.dtype, device=cat.device) for i, b in enumerate(boxes)],
+        dim=0,
+    )
+    return torch.cat([idx, cat], dim=1)

@@ -1,0 +1,19 @@
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def cuda_param(value="cuda"):
+    """A pytest.param for the CUDA variant of a device-parametrized test."""
+    return pytest.param(value, marks=pytest.mark.cuda)
+
+
+DEVICES = ["cpu", cuda_param()]
