@@ -51,9 +51,7 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
     for c in torch.unique(idxs.cpu()).tolist():
         sel = torch.nonzero(idxs.cpu() == c).flatten()
         kept.append(sel[nms(boxes.cpu()[sel], scores.cpu()[sel], iou_threshold)])
-    kept = torch.cat(kept)
-    order = torch.sort(scores.cpu()[kept], descending=True, stable=True).indices
-    # stable sort of the index-sorted set keeps ties in index order
-    kept_sorted = torch.sort(kept).values
+    # a stable sort of the index-sorted set keeps ties in index order
+    kept_sorted = torch.sort(torch.cat(kept)).values
     order = torch.sort(scores.cpu()[kept_sorted], descending=True, stable=True).indices
     return kept_sorted[order].to(boxes.device)
