@@ -2,11 +2,12 @@
 //
 // Boxes are ranked by score (stable, descending) and, for batched NMS, grouped by category, so
 // every category is a contiguous segment of the ranking; segments are independent and run in
-// parallel. Within a segment the greedy pass needs, for each kept box, the lower-ranked boxes
-// it overlaps by more than the threshold. Instead of testing all N^2 / 2 pairs, boxes are
-// swept in x1 order and only pairs whose x-extents overlap are tested (a pair with no
-// intersection can never have IoU > t >= 0). A negative threshold makes every pair a
-// candidate, so it takes the dense pairwise path.
+// parallel. Within a segment the greedy pass visits boxes by rank; each kept box suppresses the
+// lower-ranked boxes it overlaps by more than the threshold. Instead of testing it against all
+// later boxes, it is tested only against the boxes whose x-extent can meet its own, found by
+// binary search in x1 order (a pair with no intersection never has IoU > t >= 0), and
+// suppressed boxes are never tested again. A negative threshold makes every pair a candidate,
+// so it takes the dense pairwise path.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -25,10 +26,8 @@ namespace {
 
 using geometry::iou_above;
 
-// Segments shorter than this use the dense pass: the sweep's sort does not pay off.
-constexpr int64_t kSweepMinBoxes = 48;
-// Sweep positions handed to one task.
-constexpr int64_t kSweepGrain = 256;
+// Segments shorter than this use the dense pass: the window's sort does not pay off.
+constexpr int64_t kWindowMinBoxes = 48;
 
 template <typename T>
 struct RankedBoxes {
@@ -56,8 +55,9 @@ void greedy_dense(const RankedBoxes<T>& b, int64_t s, int64_t e, T thr, uint8_t*
 }
 
 template <typename T>
-void greedy_sweep(const RankedBoxes<T>& b, int64_t s, int64_t e, T thr, uint8_t* keep) {
-  // Boxes that can take part in an overlap: a valid score and a non-NaN area.
+void greedy_window(const RankedBoxes<T>& b, int64_t s, int64_t e, T thr, uint8_t* keep) {
+  // Boxes that can overlap anything: a valid score and a non-NaN area, in x1 order, copied
+  // into contiguous arrays so that a window scan reads memory in order.
   std::vector<int32_t> xs;
   xs.reserve(e - s);
   for (int64_t p = s; p < e; ++p) {
@@ -68,49 +68,38 @@ void greedy_sweep(const RankedBoxes<T>& b, int64_t s, int64_t e, T thr, uint8_t*
     return a < c || (!(c < a) && u < v);
   });
   const int64_t m = static_cast<int64_t>(xs.size());
-
-  // Pairs (higher-ranked, lower-ranked) with IoU above the threshold, gathered per task.
-  const int64_t ntasks = std::max<int64_t>(1, (m + kSweepGrain - 1) / kSweepGrain);
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> found(ntasks);
-  at::parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      auto& out = found[t];
-      const int64_t a_end = std::min(m, (t + 1) * kSweepGrain);
-      for (int64_t a = t * kSweepGrain; a < a_end; ++a) {
-        const int64_t i = s + xs[a];
-        const T ix2 = b.x2[i], iy1 = b.y1[i], iy2 = b.y2[i];
-        for (int64_t c = a + 1; c < m; ++c) {
-          const int64_t j = s + xs[c];
-          if (!(b.x1[j] < ix2)) break;  // sorted by x1: no later box overlaps i in x
-          if (!(geometry::min_of(iy2, b.y2[j]) > geometry::max_of(iy1, b.y1[j]))) continue;
-          if (b.above(i, j, thr)) {
-            const auto lo = static_cast<int32_t>(std::min(i, j) - s);
-            const auto hi = static_cast<int32_t>(std::max(i, j) - s);
-            out.emplace_back(lo, hi);
-          }
-        }
-      }
-    }
-  });
-
-  // Adjacency in compressed rows, keyed by the higher-ranked box.
   const int64_t len = e - s;
-  std::vector<int64_t> offsets(len + 1, 0);
-  for (const auto& v : found)
-    for (const auto& pr : v) ++offsets[pr.first + 1];
-  std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
-  std::vector<int32_t> adj(offsets[len]);
-  {
-    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
-    for (const auto& v : found)
-      for (const auto& pr : v) adj[fill[pr.first]++] = pr.second;
+  std::vector<T> X1(m), Y1(m), X2(m), Y2(m), A(m), X2max(m);
+  std::vector<int64_t> slot(len, -1);  // position -> index in x order
+  for (int64_t a = 0; a < m; ++a) {
+    const int64_t p = s + xs[a];
+    X1[a] = b.x1[p];
+    Y1[a] = b.y1[p];
+    X2[a] = b.x2[p];
+    Y2[a] = b.y2[p];
+    A[a] = b.area[p];
+    X2max[a] = a ? geometry::max_of(X2max[a - 1], X2[a]) : X2[a];
+    slot[xs[a]] = a;
   }
 
-  std::vector<uint8_t> removed(len, 0);
+  // Suppression flags in x order, beside the coordinates they gate.
+  std::vector<uint8_t> removed(m, 0);
   for (int64_t p = 0; p < len; ++p) {
-    if (!b.valid[s + p] || removed[p]) continue;
+    const int64_t a = slot[p];
+    if (!b.valid[s + p] || (a >= 0 && removed[a])) continue;
     keep[s + p] = 1;
-    for (int64_t k = offsets[p]; k < offsets[p + 1]; ++k) removed[adj[k]] = 1;
+    if (a < 0) continue;  // NaN area: overlaps nothing
+    const T ix1 = X1[a], iy1 = Y1[a], ix2 = X2[a], iy2 = Y2[a], ia = A[a];
+    // Only boxes with x1 < ix2 and x2 > ix1 can intersect box p: before `lo` every x2 is
+    // <= ix1 (prefix maximum), from `hi` on every x1 is >= ix2.
+    const int64_t lo = std::upper_bound(X2max.begin(), X2max.end(), ix1) - X2max.begin();
+    const int64_t hi = std::lower_bound(X1.begin(), X1.end(), ix2) - X1.begin();
+    for (int64_t c = lo; c < hi; ++c) {
+      // only lower-ranked boxes still in play, then a cheap overlap test before the IoU
+      if (removed[c] || xs[c] <= p || !(X2[c] > ix1)) continue;
+      if (!(geometry::min_of(iy2, Y2[c]) > geometry::max_of(iy1, Y1[c]))) continue;
+      if (iou_above(ix1, iy1, ix2, iy2, ia, X1[c], Y1[c], X2[c], Y2[c], A[c], thr)) removed[c] = 1;
+    }
   }
 }
 
@@ -173,8 +162,8 @@ at::Tensor nms_cpu_typed(
   at::parallel_for(0, nseg, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t s = seg_start[g], e = seg_start[g + 1];
-      if (thr >= acc_t(0) && e - s >= kSweepMinBoxes) {
-        greedy_sweep(rb, s, e, thr, keep.data());
+      if (thr >= acc_t(0) && e - s >= kWindowMinBoxes) {
+        greedy_window(rb, s, e, thr, keep.data());
       } else {
         greedy_dense(rb, s, e, thr, keep.data());
       }

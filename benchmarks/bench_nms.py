@@ -1,0 +1,64 @@
+"""NMS and batched NMS: detops vs torchvision on the same boxes."""
+from __future__ import annotations
+
+import argparse
+from typing import List
+
+import torch
+import torchvision
+
+import detops
+from benchmarks.timing import HEADER, Row, compare
+from detops.testing import clustered_boxes, random_boxes
+
+
+def run(devices: List[str], quick: bool = False) -> List[Row]:
+    rows: List[Row] = []
+    for device in devices:
+        cases = [
+            ("nms, 1k random", random_boxes(1000, seed=1)),
+            ("nms, 4.7k clustered (RPN-like)", clustered_boxes(4700, seed=2)),
+            ("nms, 5k random", random_boxes(5000, seed=3)),
+            ("nms, 12k random", random_boxes(12000, seed=4)),
+            ("nms, 20k random", random_boxes(20000, seed=5)),
+            ("nms, 30k random", random_boxes(30000, seed=6)),
+        ]
+        if device == "cuda" and not quick:
+            cases.append(("nms, 100k random", random_boxes(100_000, seed=7, size=3000.0)))
+        if quick:
+            cases = cases[:3]
+        for name, (boxes, scores) in cases:
+            b, s = boxes.to(device), scores.to(device)
+            assert torch.equal(detops.ops.nms(b, s, 0.5).cpu().sort().values, torchvision.ops.nms(b, s, 0.5).cpu().sort().values)
+            runs = 10 if device == "cpu" else 30
+            rows.append(
+                compare(
+                    name + ", IoU 0.5", device,
+                    lambda: detops.ops.nms(b, s, 0.5),
+                    lambda: torchvision.ops.nms(b, s, 0.5),
+                    runs=runs, warmup=2 if device == "cpu" else 5,
+                )
+            )
+        boxes, scores = clustered_boxes(20000, seed=8)
+        labels = torch.randint(0, 80, (20000,), generator=torch.Generator().manual_seed(8))
+        b, s, lab = boxes.to(device), scores.to(device), labels.to(device)
+        rows.append(
+            compare(
+                "batched_nms, 80 classes, 20k clustered, IoU 0.5", device,
+                lambda: detops.ops.batched_nms(b, s, lab, 0.5),
+                lambda: torchvision.ops.batched_nms(b, s, lab, 0.5),
+                runs=10 if device == "cpu" else 30, warmup=2 if device == "cpu" else 5,
+            )
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller cases")
+    a = p.parse_args()
+    devs = ["cpu", "cuda"] if a.device == "all" else [a.device]
+    devs = [d for d in devs if d == "cpu" or torch.cuda.is_available()]
+    print(HEADER)
+    run(devs, quick=a.quick)

@@ -1,0 +1,297 @@
+"""detops.ops.nms / batched_nms against torchvision and the plain-PyTorch reference."""
+import math
+
+import pytest
+import torch
+import torchvision
+
+import detops
+from detops.ops import batched_nms, nms
+from detops.reference import nms as ref
+from detops.testing import clustered_boxes, random_boxes
+from tests.conftest import DEVICES, cuda_param
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+THRESHOLDS = [0.2, 0.5, 0.8]
+
+
+def assert_same_keep(got, expected, scores):
+    """Equal kept sets, listed by decreasing score; boxes of equal score may swap places."""
+    got, expected = got.cpu(), expected.cpu()
+    assert got.dtype == torch.int64
+    assert got.shape == expected.shape, f"kept {got.numel()} boxes, expected {expected.numel()}"
+    assert set(got.tolist()) == set(expected.tolist())
+    s = scores.cpu().float()
+    assert torch.equal(s[got], s[expected])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["random", "clustered"])
+@pytest.mark.parametrize("threshold", THRESHOLDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nms_matches_torchvision(device, kind, threshold, dtype):
+    gen = random_boxes if kind == "random" else clustered_boxes
+    boxes, scores = gen(3000, seed=int(threshold * 10), dtype=dtype)
+    boxes, scores = boxes.to(device), scores.to(device)
+    got = nms(boxes, scores, threshold)
+    assert got.device == boxes.device
+    assert_same_keep(got, torchvision.ops.nms(boxes.cpu(), scores.cpu(), threshold), scores)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["random", "clustered"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nms_matches_reference(device, kind, dtype):
+    gen = random_boxes if kind == "random" else clustered_boxes
+    for threshold in THRESHOLDS:
+        boxes, scores = gen(1500, seed=7, dtype=dtype)
+        got = nms(boxes.to(device), scores.to(device), threshold)
+        assert torch.equal(got.cpu(), ref.nms(boxes, scores, threshold))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nms_ties_keep_index_order(device):
+    boxes, _ = random_boxes(500, seed=3)
+    scores = torch.randint(0, 4, (500,)).float()  # many equal scores
+    got = nms(boxes.to(device), scores.to(device), 0.5).cpu()
+    assert torch.equal(got, ref.nms(boxes, scores, 0.5))
+    s = scores[got]
+    assert bool((s[:-1] >= s[1:]).all())
+    for value in s.unique():
+        same = got[s == value]
+        assert torch.equal(same, same.sort().values)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("threshold", [0.3, 0.5, 0.7])
+def test_nms_iou_just_above_and_below(device, threshold):
+    # IoU([0,0,10,10], [0,0,10,h]) = h / 10
+    eps = 1e-3
+    for h, suppressed in [(10 * threshold + eps, True), (10 * threshold - eps, False)]:
+        boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, h]], device=device)
+        scores = torch.tensor([0.9, 0.8], device=device)
+        got = nms(boxes, scores, threshold).tolist()
+        assert got == ([0] if suppressed else [0, 1]), (h, got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nms_iou_equal_to_threshold_is_kept(device, dtype):
+    # IoU = 50 / 100 = 0.5 exactly: suppression needs IoU > threshold
+    boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 5.0]], dtype=dtype, device=device)
+    scores = torch.tensor([0.9, 0.8], dtype=dtype, device=device)
+    assert nms(boxes, scores, 0.5).tolist() == [0, 1]
+    assert nms(boxes, scores, 0.4999).tolist() == [0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("threshold", [0.1, 0.2, 0.3, 0.7, 0.9])
+def test_nms_threshold_compared_in_full_precision(device, threshold):
+    # IoU = k / 100 in float32 for boxes [0,0,10,10] vs [0,0,10,k/10]; decided like torchvision's
+    # CPU kernel (float IoU against the double threshold), on every device.
+    for k in range(1, 100):
+        boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, k / 10]], device=device)
+        scores = torch.tensor([0.9, 0.8], device=device)
+        expected = torchvision.ops.nms(boxes.cpu(), scores.cpu(), threshold)
+        assert torch.equal(nms(boxes, scores, threshold).cpu(), expected), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nms_empty_and_single(device, dtype):
+    empty = nms(torch.empty(0, 4, dtype=dtype, device=device), torch.empty(0, dtype=dtype, device=device), 0.5)
+    assert empty.shape == (0,) and empty.dtype == torch.int64 and empty.device.type == device
+    one = nms(torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=dtype, device=device), torch.tensor([0.3], dtype=dtype, device=device), 0.5)
+    assert one.tolist() == [0]
+    e = batched_nms(
+        torch.empty(0, 4, device=device), torch.empty(0, device=device), torch.empty(0, dtype=torch.int64, device=device), 0.5
+    )
+    assert e.shape == (0,) and e.dtype == torch.int64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nms_non_contiguous(device):
+    boxes, scores = random_boxes(800, seed=11)
+    boxes_t = boxes.t().contiguous().t()  # column-major view
+    scores_s = torch.stack([scores, scores], 1)[:, 0]  # strided
+    assert not boxes_t.is_contiguous() and not scores_s.is_contiguous()
+    got = nms(boxes_t.to(device), scores_s.to(device), 0.5)
+    assert torch.equal(got.cpu(), nms(boxes, scores, 0.5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nms_nan_and_inf(device):
+    nan, inf = math.nan, math.inf
+    boxes = torch.tensor(
+        [
+            [0.0, 0.0, 10.0, 10.0],  # 0: kept
+            [0.0, 0.0, 10.0, 10.0],  # 1: NaN score -> dropped, suppresses nothing
+            [0.0, 0.0, nan, 10.0],  # 2: NaN coordinate -> kept, never suppressed
+            [1.0, 1.0, 10.0, 10.0],  # 3: suppressed by 0
+            [0.0, 0.0, inf, inf],  # 4: infinite area: IoU 0 with finite boxes -> kept
+            [0.0, 0.0, 10.0, 10.0],  # 5: -inf score, ranks last, suppressed by 0
+        ],
+        device=device,
+    )
+    scores = torch.tensor([0.9, nan, 0.95, 0.8, 0.5, -inf], device=device)
+    got = nms(boxes, scores, 0.5).tolist()
+    assert got == [2, 0, 4]
+    assert got == ref.nms(boxes.cpu(), scores.cpu(), 0.5).tolist()
+    # a NaN score never suppresses, even with the highest rank
+    assert nms(boxes[:2], torch.tensor([nan, 0.1], device=device), 0.5).tolist() == [1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("threshold", [0.3, 0.7])
+def test_batched_nms_matches_torchvision(device, threshold):
+    boxes, scores = clustered_boxes(4000, seed=5)
+    idxs = torch.randint(0, 80, (4000,), generator=torch.Generator().manual_seed(1))
+    got = batched_nms(boxes.to(device), scores.to(device), idxs.to(device), threshold)
+    assert_same_keep(got, torchvision.ops.batched_nms(boxes, scores, idxs, threshold), scores)
+    assert torch.equal(got.cpu(), ref.batched_nms(boxes, scores, idxs, threshold))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_nms_negative_coordinates_and_low_precision(device, dtype):
+    # Boxes near -1000 and +1000 in 80 categories: an offset trick (category * (max + 1))
+    # would overflow float16 (> 65504) or round the boxes in bfloat16.
+    boxes, scores = clustered_boxes(2000, seed=9)
+    boxes = boxes * 2 - 1000
+    idxs = torch.randint(-3, 77, (2000,), generator=torch.Generator().manual_seed(2))
+    boxes, scores = boxes.to(dtype), scores.to(dtype)
+    got = batched_nms(boxes.to(device), scores.to(device), idxs.to(device), 0.5)
+    assert torch.equal(got.cpu(), ref.batched_nms(boxes, scores, idxs, 0.5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32, torch.uint8])
+def test_batched_nms_equals_per_class_nms(device, idx_dtype):
+    boxes, scores = clustered_boxes(1000, seed=4)
+    idxs = torch.randint(0, 5, (1000,), generator=torch.Generator().manual_seed(3)).to(idx_dtype)
+    got = batched_nms(boxes.to(device), scores.to(device), idxs.to(device), 0.5).cpu()
+    parts = []
+    for c in range(5):
+        sel = torch.nonzero(idxs == c).flatten()
+        parts.append(sel[nms(boxes[sel], scores[sel], 0.5)])
+    expected = torch.cat(parts)
+    assert set(got.tolist()) == set(expected.tolist())
+    # one category: batched NMS is plain NMS
+    same = torch.zeros(1000, dtype=idx_dtype)
+    assert torch.equal(batched_nms(boxes, scores, same, 0.5), nms(boxes, scores, 0.5))
+
+
+def test_maskrcnn_style_entry_reaches_the_same_op():
+    boxes, scores = random_boxes(500, seed=1)
+    assert torch.equal(detops._C.nms(boxes, scores, 0.5), nms(boxes, scores, 0.5))
+    idxs = torch.randint(0, 3, (500,))
+    assert torch.equal(detops._C.batched_nms(boxes, scores, idxs, 0.5), batched_nms(boxes, scores, idxs, 0.5))
+
+
+BAD_INPUTS = [
+    ("[N, 5] boxes", lambda: (torch.rand(7, 5), torch.rand(7)), "boxes must be a [N, 4] tensor, got [7, 5]"),
+    ("1-D boxes", lambda: (torch.rand(4), torch.rand(1)), "boxes must be a [N, 4] tensor, got [4]"),
+    ("2-D scores", lambda: (torch.rand(7, 4), torch.rand(7, 1)), "scores must be a [N] tensor"),
+    ("different N", lambda: (torch.rand(7, 4), torch.rand(6)), "boxes and scores must have the same number of entries"),
+    ("int boxes", lambda: (torch.randint(0, 9, (7, 4)), torch.rand(7)), "boxes must be a float32"),
+    ("bool scores", lambda: (torch.rand(7, 4), torch.rand(7) > 0.5), "scores must be a float32"),
+]
+
+
+@pytest.mark.parametrize("name,make,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_nms_bad_input(name, make, message):
+    boxes, scores = make()
+    with pytest.raises(RuntimeError, match="detops.nms: " + message.replace("[", r"\[").replace("]", r"\]")):
+        nms(boxes, scores, 0.5)
+    with pytest.raises(RuntimeError, match="detops.batched_nms: "):
+        batched_nms(boxes, scores, torch.zeros(boxes.shape[0], dtype=torch.int64), 0.5)
+
+
+@pytest.mark.parametrize("threshold", [math.nan, math.inf, -math.inf])
+def test_nms_non_finite_threshold(threshold):
+    with pytest.raises(RuntimeError, match="detops.nms: iou_threshold must be a finite number"):
+        nms(torch.rand(3, 4), torch.rand(3), threshold)
+
+
+def test_batched_nms_bad_idxs():
+    boxes, scores = random_boxes(5, seed=0)
+    with pytest.raises(RuntimeError, match="detops.batched_nms: idxs must be an integer tensor, got Float"):
+        batched_nms(boxes, scores, torch.zeros(5), 0.5)
+    with pytest.raises(RuntimeError, match=r"detops.batched_nms: boxes and idxs must have the same number"):
+        batched_nms(boxes, scores, torch.zeros(4, dtype=torch.int64), 0.5)
+    with pytest.raises(RuntimeError, match=r"detops.batched_nms: idxs must be a \[N\] tensor"):
+        batched_nms(boxes, scores, torch.zeros(5, 1, dtype=torch.int64), 0.5)
+
+
+@pytest.mark.cuda
+def test_nms_mixed_devices():
+    boxes, scores = random_boxes(5, seed=0)
+    with pytest.raises(RuntimeError, match="detops.nms: boxes and scores must be on the same device"):
+        nms(boxes.cuda(), scores, 0.5)
+    with pytest.raises(RuntimeError, match="detops.nms: boxes and scores must be on the same device"):
+        nms(boxes, scores.cuda(), 0.5)
+    with pytest.raises(RuntimeError, match="detops.batched_nms: boxes and idxs must be on the same device"):
+        batched_nms(boxes.cuda(), scores.cuda(), torch.zeros(5, dtype=torch.int64), 0.5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["random", "clustered"])
+def test_nms_cpu_cuda_agree(dtype, kind):
+    gen = random_boxes if kind == "random" else clustered_boxes
+    for n in [1, 63, 64, 65, 4000, 12000]:
+        boxes, scores = gen(n, seed=n, dtype=dtype)
+        for t in THRESHOLDS:
+            assert torch.equal(nms(boxes.cuda(), scores.cuda(), t).cpu(), nms(boxes, scores, t))
+        idxs = torch.randint(0, 80, (n,), generator=torch.Generator().manual_seed(n))
+        assert torch.equal(
+            batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu(), batched_nms(boxes, scores, idxs, 0.5)
+        )
+
+
+@pytest.mark.cuda
+def test_nms_cuda_large_uses_global_scratch():
+    # more than 48 KiB of suppression words (393,216 boxes) takes the global-memory path
+    boxes, scores = random_boxes(400_000, seed=2, size=20000.0, max_wh=60.0)
+    got = nms(boxes.cuda(), scores.cuda(), 0.5).cpu()
+    assert torch.equal(got, nms(boxes, scores, 0.5))
+
+
+def test_opcheck():
+    boxes, scores = clustered_boxes(200, seed=0)
+    idxs = torch.randint(0, 4, (200,))
+    torch.library.opcheck(torch.ops.detops.nms, (boxes, scores, 0.5))
+    torch.library.opcheck(torch.ops.detops.batched_nms, (boxes, scores, idxs, 0.5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph(device):
+    torch._dynamo.reset()
+
+    def postprocess(boxes, scores, labels):
+        keep = batched_nms(boxes, scores, labels, 0.5)
+        keep2 = nms(boxes, scores, 0.7)
+        return boxes[keep], scores[keep], keep2.numel()
+
+    boxes, scores = clustered_boxes(300, seed=1)
+    labels = torch.randint(0, 3, (300,))
+    args = [t.to(device) for t in (boxes, scores, labels)]
+    compiled = torch.compile(postprocess, fullgraph=True, backend="eager" if device == "cpu" else "inductor")
+    got, want = compiled(*args), postprocess(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2]
+
+
+def test_export_dynamic_box_count():
+    class Post(torch.nn.Module):
+        def forward(self, boxes, scores, labels):
+            return batched_nms(boxes, scores, labels, 0.5), nms(boxes, scores, 0.5)
+
+    boxes, scores = clustered_boxes(300, seed=2)
+    labels = torch.randint(0, 3, (300,))
+    n = torch.export.Dim("n", min=2)
+    ep = torch.export.export(Post(), (boxes, scores, labels), dynamic_shapes=({0: n}, {0: n}, {0: n}))
+    for size in (50, 300, 900):
+        b, s = clustered_boxes(size, seed=size)
+        lab = torch.randint(0, 3, (size,))
+        for got, want in zip(ep.module()(b, s, lab), Post()(b, s, lab)):
+            assert torch.equal(got, want)
