@@ -12,6 +12,11 @@ from benchmarks.timing import HEADER, Row, compare
 from detops.testing import clustered_boxes, random_boxes
 
 
+def _runs(device):
+    # torchvision's CPU NMS takes seconds at 20k+ boxes: fewer runs there
+    return dict(runs=30, warmup=5) if device == "cuda" else dict(runs=5, warmup=1, max_seconds=5)
+
+
 def run(devices: List[str], quick: bool = False) -> List[Row]:
     rows: List[Row] = []
     for device in devices:
@@ -30,13 +35,12 @@ def run(devices: List[str], quick: bool = False) -> List[Row]:
         for name, (boxes, scores) in cases:
             b, s = boxes.to(device), scores.to(device)
             assert torch.equal(detops.ops.nms(b, s, 0.5).cpu().sort().values, torchvision.ops.nms(b, s, 0.5).cpu().sort().values)
-            runs = 10 if device == "cpu" else 30
             rows.append(
                 compare(
                     name + ", IoU 0.5", device,
                     lambda: detops.ops.nms(b, s, 0.5),
                     lambda: torchvision.ops.nms(b, s, 0.5),
-                    runs=runs, warmup=2 if device == "cpu" else 5,
+                    **_runs(device),
                 )
             )
         boxes, scores = clustered_boxes(20000, seed=8)
@@ -47,7 +51,7 @@ def run(devices: List[str], quick: bool = False) -> List[Row]:
                 "batched_nms, 80 classes, 20k clustered, IoU 0.5", device,
                 lambda: detops.ops.batched_nms(b, s, lab, 0.5),
                 lambda: torchvision.ops.batched_nms(b, s, lab, 0.5),
-                runs=10 if device == "cpu" else 30, warmup=2 if device == "cpu" else 5,
+                **_runs(device),
             )
         )
     return rows

@@ -1,0 +1,104 @@
+"""roi_align / roi_pool: detops vs torchvision on the same features and RoIs.
+
+The CUDA cases follow the Mask R-CNN box head: features 2x256x200x304 (stride 4 of an
+800x1216 batch), 1024 RoIs, output 7x7 and 14x14, sampling ratio 2, aligned=True.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import List
+
+import torch
+import torchvision
+
+import detops
+from benchmarks.timing import HEADER, Row, compare
+from detops.testing import random_rois
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _inputs(device, dtype, batch, channels, height, width, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, channels, height, width, generator=g).to(device, dtype)
+    rois = random_rois(k, batch, height, width, seed=seed, spatial_scale=0.25).to(device, dtype)
+    return x, rois
+
+
+def _fwd_bwd(fn, x, rois, grad):
+    x = x.detach().requires_grad_()
+    out = fn(x, rois)
+    out.backward(grad)
+    return x.grad
+
+
+def _check_close(a, b, dtype):
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def run(devices: List[str], quick: bool = False) -> List[Row]:
+    rows: List[Row] = []
+    for device in devices:
+        if device == "cuda":
+            shape = (2, 256, 200, 304)
+            k = 1024
+            dtypes = [torch.float32, torch.float16, torch.bfloat16]
+            sizes = [7, 14]
+        else:
+            shape = (2, 64, 100, 152) if not quick else (1, 16, 50, 76)
+            k = 256 if not quick else 32
+            dtypes = [torch.float32]
+            sizes = [7]
+        runs = dict(runs=30, warmup=5) if device == "cuda" else dict(runs=5, warmup=1, max_seconds=5)
+        for dtype in dtypes:
+            x, rois = _inputs(device, dtype, *shape, k)
+            tv_ok = dtype != torch.bfloat16  # torchvision has no bfloat16 roi_align
+            for size in sizes:
+                ours = lambda a, r: detops.ops.roi_align(a, r, size, 0.25, 2, True)
+                theirs = lambda a, r: torchvision.ops.roi_align(a, r, size, 0.25, 2, True)
+                if tv_ok:
+                    _check_close(ours(x, rois), theirs(x, rois), dtype)
+                tag = f"{shape[0]}x{shape[1]}x{shape[2]}x{shape[3]}, {k} RoIs, {size}x{size}, {DTYPE_NAMES[dtype]}"
+                rows.append(compare(f"roi_align fwd, {tag}", device, lambda: ours(x, rois), (lambda: theirs(x, rois)) if tv_ok else None, **runs))
+                grad = torch.randn(k, shape[1], size, size, device=device, dtype=dtype)
+                rows.append(
+                    compare(
+                        f"roi_align fwd+bwd, {tag}", device,
+                        lambda: _fwd_bwd(ours, x, rois, grad),
+                        (lambda: _fwd_bwd(theirs, x, rois, grad)) if tv_ok else None,
+                        **runs,
+                    )
+                )
+                if device == "cuda" and dtype == torch.float32:
+                    torch.use_deterministic_algorithms(True)
+                    try:
+                        rows.append(compare(f"roi_align fwd+bwd deterministic, {tag}", device, lambda: _fwd_bwd(ours, x, rois, grad), None, **runs))
+                    finally:
+                        torch.use_deterministic_algorithms(False)
+            if dtype == torch.float32:
+                size = 7
+                ours_p = lambda a, r: detops.ops.roi_pool(a, r, size, 0.25)
+                theirs_p = lambda a, r: torchvision.ops.roi_pool(a, r, size, 0.25)
+                torch.testing.assert_close(ours_p(x, rois), theirs_p(x, rois))
+                tag = f"{shape[0]}x{shape[1]}x{shape[2]}x{shape[3]}, {k} RoIs, {size}x{size}, fp32"
+                grad = torch.randn(k, shape[1], size, size, device=device, dtype=dtype)
+                rows.append(compare(f"roi_pool fwd, {tag}", device, lambda: ours_p(x, rois), lambda: theirs_p(x, rois), **runs))
+                rows.append(
+                    compare(
+                        f"roi_pool fwd+bwd, {tag}", device,
+                        lambda: _fwd_bwd(ours_p, x, rois, grad), lambda: _fwd_bwd(theirs_p, x, rois, grad), **runs,
+                    )
+                )
+    return rows
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args()
+    devs = ["cpu", "cuda"] if a.device == "all" else [a.device]
+    devs = [d for d in devs if d == "cpu" or torch.cuda.is_available()]
+    print(HEADER)
+    run(devs, quick=a.quick)

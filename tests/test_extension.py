@@ -1,0 +1,63 @@
+"""Loading detops._C and the messages users get when the build does not fit."""
+import importlib
+import warnings
+
+import pytest
+import torch
+
+import detops
+from detops import _extension
+
+
+def test_import_loads_torch_and_ops():
+    assert detops._C.torch_version().split(".")[:2] == torch.__version__.split("+")[0].split(".")[:2]
+    for name in ["nms", "batched_nms", "roi_align", "_roi_align_backward", "roi_pool", "_roi_pool_backward"]:
+        assert hasattr(torch.ops.detops, name)
+        for key in ("CPU", "CUDA"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"detops::{name}", key), (name, key)
+
+
+def test_mismatched_build_explains_and_gives_the_rebuild_command(monkeypatch):
+    def broken(name):
+        raise ImportError("/x/detops/_C.so: undefined symbol: _ZN3c106detail14torchCheckFailEPKc")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    with pytest.raises(ImportError) as info:
+        _extension.load()
+    text = str(info.value)
+    assert "does not match the torch that is running" in text
+    assert "built against:" in text and f"torch {torch.__version__}" in text
+    assert "pip install -e . --no-build-isolation" in text
+    assert "undefined symbol" in text
+
+
+def test_missing_build_says_build_it(monkeypatch):
+    def missing(name):
+        raise ImportError("No module named 'detops._C'")
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    with pytest.raises(ImportError, match="it has not been built"):
+        _extension.load()
+
+
+def test_version_skew_warns(monkeypatch):
+    class Fake:
+        @staticmethod
+        def torch_version():
+            return "1.0.0"
+
+    monkeypatch.setattr(importlib, "import_module", lambda name: Fake)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _extension.load()
+    assert any("built against torch 1.0.0" in str(w.message) for w in caught)
+
+
+def test_cuda_kernel_reached_with_wrong_tensors_explains():
+    # Call the CUDA registration directly with CPU tensors: a CUDA build rejects the device, a
+    # CPU-only build says it has no CUDA kernels and how to rebuild.
+    keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    boxes, scores = torch.rand(3, 4), torch.rand(3)
+    expected = "must be a CUDA tensor" if detops._C.with_cuda() else "built without CUDA kernels.*FORCE_CUDA=1"
+    with pytest.raises(RuntimeError, match="detops.nms: .*" + expected):
+        torch.ops.detops.nms.default.redispatch(keyset, boxes, scores, 0.5)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Install detops and what it needs into the current Python environment, then build detops._C.
+#
+#   bash tools/install.sh
+#
+# Installs the tested torch / torchvision pair (override with TORCH_SPEC / TORCHVISION_SPEC, or
+# set DETOPS_SKIP_TORCH=1 to keep the torch you have), the test and tool dependencies, and
+# builds the extension in place with `pip install -e . --no-build-isolation`. The CUDA kernels
+# are compiled whenever torch has CUDA and nvcc is found. With no GPU visible and no
+# TORCH_CUDA_ARCH_LIST set, they are compiled for sm_90 only (a build check; set
+# TORCH_CUDA_ARCH_LIST to target your GPUs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.14.1}
+TORCHVISION_SPEC=${TORCHVISION_SPEC:-torchvision==0.29.2}
+
+pip_install() { "$PYTHON" -m pip install --disable-pip-version-check -q "$@"; }
+
+if [ "${DETOPS_SKIP_TORCH:-0}" != "1" ]; then
+  if ! "$PYTHON" - "$TORCH_SPEC" "$TORCHVISION_SPEC" <<'PY' 2>/dev/null; then
+import sys, torch, torchvision
+want = {a.split("==")[0]: a.split("==")[1] for a in sys.argv[1:] if "==" in a}
+have = {"torch": torch.__version__.split("+")[0], "torchvision": torchvision.__version__.split("+")[0]}
+sys.exit(0 if all(have.get(k) == v for k, v in want.items()) else 1)
+PY
+    echo "detops: installing $TORCH_SPEC $TORCHVISION_SPEC"
+    pip_install "$TORCH_SPEC" "$TORCHVISION_SPEC"
+  fi
+fi
+pip_install "setuptools>=64" wheel ninja numpy pytest pyyaml
+
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  export TORCH_CUDA_ARCH_LIST="9.0"
+fi
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+echo "detops: building (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-visible GPUs}, MAX_JOBS=$MAX_JOBS)"
+"$PYTHON" -m pip install --disable-pip-version-check --no-build-isolation -e . 2>&1 | tail -n 3
+"$PYTHON" -c "import detops; print('detops', detops.__version__, 'built with CUDA:', detops._C.with_cuda())"
