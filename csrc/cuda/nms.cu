@@ -2,15 +2,16 @@
 //
 // 1. Rank boxes by score (stable, descending); batched NMS then groups the ranking by category
 //    (stable), so each category is a contiguous run of positions.
-// 2. nms_mask_kernel: for every 64x64 tile on or above the diagonal, one bit per pair
-//    (row box, later column box) whose IoU exceeds the threshold. Tiles whose row and column
-//    boxes share no category are skipped and never read.
-// 3. nms_gather_kernel: one block walks the tiles in order. Warp 0 resolves the 64 boxes of a
-//    tile in registers (the diagonal words travel by shuffle); then all threads OR the rows of
-//    the boxes just kept into the suppression words of the later tiles, one word per thread.
-//    One barrier per tile, not per kept box, and the mask never leaves the device.
-// 4. The kept flags, indexed by rank, select the original indices: the only host sync is the
-//    one that sizes the output.
+// 2. nms_prepare_kernel: boxes in ranked (or category-grouped) order, in the accumulation type.
+// 3. nms_mask_kernel: for every 64x64 tile on or above the diagonal, one bit per pair
+//    (row box, later column box) whose IoU exceeds the threshold, plus a per-row summary of the
+//    nonzero words. Tiles whose row and column boxes share no category are skipped.
+// 4. nms_gather_kernel: one block walks the tiles in order. Warp 0 resolves the 64 boxes of a
+//    tile in registers (the diagonal words travel by shuffle); then all threads OR the nonzero
+//    words of the rows just kept into the suppression words of later tiles. One barrier pair
+//    per tile, not per kept box, and the mask never leaves the device.
+// 5. Plain NMS writes the kept indices directly; batched NMS marks kept ranks and selects them.
+//    The only host sync is the one that sizes the output.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -27,14 +28,36 @@ namespace {
 
 constexpr int kTile = 64;
 constexpr int kGatherThreads = 512;
+constexpr int kPrepareThreads = 256;
 constexpr int64_t kMaxSharedWords = 48 * 1024 / 8;
 
 using geometry::iou_above;
 
+// Position p's box, converted to the accumulation type, and whether its score is a number.
+// Boxes may be strided; `rank` maps positions to ranks (nullptr: the same).
+template <typename scalar_t, typename acc_t>
+__global__ void nms_prepare_kernel(
+    int64_t n, const scalar_t* __restrict__ boxes, int64_t stride0, int64_t stride1,
+    const int64_t* __restrict__ pos_orig, const int64_t* __restrict__ rank,
+    const bool* __restrict__ score_is_nan_by_rank, acc_t* __restrict__ sorted_boxes,
+    bool* __restrict__ valid) {
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < n;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const scalar_t* b = boxes + pos_orig[p] * stride0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sorted_boxes[p * 4 + c] = static_cast<acc_t>(b[c * stride1]);
+    valid[p] = !score_is_nan_by_rank[rank ? rank[p] : p];
+  }
+}
+
+// One 64x64 tile of the suppression mask: bit i of mask[row][col_block] says that box
+// col_block * 64 + i ranks after `row` and overlaps it by more than the threshold. Each nonzero
+// word also sets bit col_block of the row's summary, so the serial pass reads only those.
 template <typename T, bool kClasses>
 __global__ void nms_mask_kernel(
-    int64_t n, int64_t col_blocks, const T* __restrict__ boxes, const int64_t* __restrict__ cls,
-    T threshold, uint64_t* __restrict__ mask) {
+    int64_t n, int64_t col_blocks, int64_t summary_words, const T* __restrict__ boxes,
+    const int64_t* __restrict__ cls, T threshold, uint64_t* __restrict__ mask,
+    unsigned long long* __restrict__ summary) {
   const int64_t row_block = blockIdx.y;
   const int64_t col_block = blockIdx.x;
   if (col_block < row_block) return;
@@ -66,31 +89,45 @@ __global__ void nms_mask_kernel(
   const T x1 = b[0], y1 = b[1], x2 = b[2], y2 = b[3];
   const T area = geometry::box_area(x1, y1, x2, y2);
   const int64_t c = kClasses ? cls[row] : 0;
+  // With a threshold >= 0 only intersecting pairs can be above it: test that first and
+  // leave the division to the few pairs that do intersect.
+  const bool need_overlap = threshold >= T(0);
   uint64_t bits = 0;
   for (int i = (row_block == col_block) ? t + 1 : 0; i < col_size; ++i) {
     if (kClasses && scls[i] != c) continue;
+    if (need_overlap && !(geometry::min_of(x2, sx2[i]) > geometry::max_of(x1, sx1[i]) &&
+                          geometry::min_of(y2, sy2[i]) > geometry::max_of(y1, sy1[i]))) {
+      continue;
+    }
     if (iou_above(x1, y1, x2, y2, area, sx1[i], sy1[i], sx2[i], sy2[i], sarea[i], threshold)) {
       bits |= 1ULL << i;
     }
   }
   mask[row * col_blocks + col_block] = bits;
+  if (bits) atomicOr(summary + row * summary_words + col_block / 64, 1ULL << (col_block % 64));
 }
 
-// end_block[p]: one past the last tile holding p's category (nullptr: every row runs to the
-// end). rank[p]: the rank of position p (nullptr: positions are ranks).
+// The greedy pass, in one block, tile by tile. Warp 0 decides the tile's 64 boxes in registers
+// (diagonal words travel by shuffle); then all threads OR the nonzero mask words of the rows
+// just kept into the suppression words of later tiles. One barrier pair per tile.
+// Plain NMS (rank == nullptr: positions are ranks) writes the kept original indices in order to
+// `out` and their number to `count`; batched NMS marks kept_by_rank instead.
 template <bool kSharedWords>
 __global__ void __launch_bounds__(kGatherThreads) nms_gather_kernel(
-    int64_t n, int64_t col_blocks, const uint64_t* __restrict__ mask,
-    const bool* __restrict__ valid, const int32_t* __restrict__ end_block,
-    const int64_t* __restrict__ rank, uint64_t* __restrict__ removed_global,
-    bool* __restrict__ kept_by_rank) {
-  extern __shared__ uint64_t removed_shared[];
-  uint64_t* removed = kSharedWords ? removed_shared : removed_global;
+    int64_t n, int64_t col_blocks, int64_t summary_words, const uint64_t* __restrict__ mask,
+    const unsigned long long* __restrict__ summary, const bool* __restrict__ valid,
+    const int64_t* __restrict__ rank, const int64_t* __restrict__ order,
+    unsigned long long* __restrict__ removed_global, bool* __restrict__ kept_by_rank,
+    int64_t* __restrict__ out, int64_t* __restrict__ count) {
+  extern __shared__ unsigned long long removed_shared[];
+  unsigned long long* removed = kSharedWords ? removed_shared : removed_global;
   __shared__ uint64_t kept_word;
+  __shared__ int kept_rows[kTile];
   for (int64_t j = threadIdx.x; j < col_blocks; j += blockDim.x) removed[j] = 0;
   __syncthreads();
 
   const int lane = threadIdx.x & 31;
+  int64_t total = 0;  // kept so far (warp 0)
   for (int64_t blk = 0; blk < col_blocks; ++blk) {
     const int64_t base = blk * kTile;
     if (threadIdx.x < 32) {
@@ -106,35 +143,48 @@ __global__ void __launch_bounds__(kGatherThreads) nms_gather_kernel(
       while (cand) {
         const int bit = __ffsll(static_cast<long long>(cand)) - 1;
         kept |= 1ULL << bit;
-        const uint64_t row = __shfl_sync(0xffffffffu, bit < 32 ? d0 : d1, bit & 31);
-        rem |= row;
-        // Only later boxes of the tile are still undecided.
-        cand = valid_bits & ~rem & ((~0ULL << bit) << 1);
+        rem |= __shfl_sync(0xffffffffu, bit < 32 ? d0 : d1, bit & 31);
+        cand = valid_bits & ~rem & ((~0ULL << bit) << 1);  // later boxes of the tile only
       }
+      // list of kept rows for the push, and the output
+      const bool k0 = (kept >> lane) & 1ULL, k1 = (kept >> (lane + 32)) & 1ULL;
+      const uint64_t below0 = kept & ((1ULL << lane) - 1);
+      const uint64_t below1 = kept & ((1ULL << (lane + 32)) - 1);
+      const int i0 = __popcll(below0), i1 = __popcll(below1);
+      if (k0) kept_rows[i0] = lane;
+      if (k1) kept_rows[i1] = lane + 32;
+      if (rank) {
+        if (k0) kept_by_rank[rank[r0]] = true;
+        if (k1) kept_by_rank[rank[r1]] = true;
+      } else {
+        if (k0) out[total + i0] = order[r0];
+        if (k1) out[total + i1] = order[r1];
+      }
+      total += __popcll(kept);
       if (lane == 0) kept_word = kept;
-      if ((kept >> lane) & 1ULL) kept_by_rank[rank ? rank[r0] : r0] = true;
-      if ((kept >> (lane + 32)) & 1ULL) kept_by_rank[rank ? rank[r1] : r1] = true;
     }
     __syncthreads();
     const uint64_t kept = kept_word;
-    if (kept) {
-      // Positions are sorted by category, so the last kept row reaches furthest.
-      const int64_t last = base + 63 - __clzll(static_cast<long long>(kept));
-      const int64_t end = end_block ? end_block[last] : col_blocks;
-      for (int64_t j = blk + 1 + threadIdx.x; j < end; j += blockDim.x) {
-        uint64_t acc = 0;
-        uint64_t k = kept;
-        while (k) {
-          const int bit = __ffsll(static_cast<long long>(k)) - 1;
-          k &= k - 1;
-          const int64_t row = base + bit;
-          if (end_block == nullptr || j < end_block[row]) acc |= mask[row * col_blocks + j];
+    const int nk = __popcll(kept);
+    const int64_t first_word = (blk + 1) / 64;
+    const int64_t words = summary_words - first_word;
+    if (nk && words > 0) {
+      for (int64_t item = threadIdx.x; item < nk * words; item += blockDim.x) {
+        const int64_t row = base + kept_rows[item / words];
+        const int64_t w = first_word + item % words;
+        unsigned long long s = summary[row * summary_words + w];
+        if (w * 64 <= blk) s &= (~0ULL << (blk - w * 64)) << 1;  // tiles after blk only
+        while (s) {
+          const int bit = __ffsll(static_cast<long long>(s)) - 1;
+          s &= s - 1;
+          const int64_t j = w * 64 + bit;
+          atomicOr(removed + j, static_cast<unsigned long long>(mask[row * col_blocks + j]));
         }
-        removed[j] |= acc;
       }
     }
     __syncthreads();
   }
+  if (threadIdx.x == 0 && count != nullptr) *count = total;
 }
 
 at::Tensor nms_cuda_impl(
@@ -144,8 +194,8 @@ at::Tensor nms_cuda_impl(
   checks::check_device(op, "boxes", boxes, at::kCUDA);
   const int64_t n = boxes.size(0);
   TORCH_CHECK(
-      n < (int64_t{1} << 31) / 2 && (n + kTile - 1) / kTile <= 65535, op,
-      ": too many boxes for one call, got ", n);
+      (n + kTile - 1) / kTile <= 65535, op, ": too many boxes for one call (at most ",
+      int64_t{65535} * kTile, "), got ", n);
   c10::cuda::CUDAGuard guard(boxes.device());
   if (n == 0) {
     return at::empty({0}, boxes.options().dtype(at::kLong));
@@ -153,59 +203,75 @@ at::Tensor nms_cuda_impl(
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const auto long_opts = boxes.options().dtype(at::kLong);
 
-  // rank -> original index.
-  const at::Tensor order = std::get<1>(scores.sort(/*stable=*/true, 0, /*descending=*/true));
+  // rank -> original index, and which ranks have a NaN score.
+  auto sorted_scores = scores.sort(/*stable=*/true, 0, /*descending=*/true);
+  const at::Tensor order = std::get<1>(sorted_scores);
+  const at::Tensor nan_by_rank = std::get<0>(sorted_scores).isnan();
   at::Tensor pos_orig = order;  // position -> original index
-  at::Tensor rank;              // position -> rank (undefined: identity)
-  at::Tensor cls_sorted, end_block;
+  at::Tensor rank;              // position -> rank (undefined: the same)
+  at::Tensor cls_sorted;
   if (idxs != nullptr) {
     const at::Tensor cls_by_rank = idxs->to(at::kLong).index_select(0, order);
-    auto sorted = cls_by_rank.sort(/*stable=*/true, 0, /*descending=*/false);
-    cls_sorted = std::get<0>(sorted).contiguous();
-    rank = std::get<1>(sorted).contiguous();
+    auto by_class = cls_by_rank.sort(/*stable=*/true, 0, /*descending=*/false);
+    cls_sorted = std::get<0>(by_class).contiguous();
+    rank = std::get<1>(by_class).contiguous();
     pos_orig = order.index_select(0, rank);
-    // One past the last position of each box's category, as a tile count.
-    const at::Tensor seg_end = at::searchsorted(cls_sorted, cls_sorted, /*out_int32=*/false, /*right=*/true);
-    end_block = seg_end.add(kTile - 1).div(kTile, "floor").to(at::kInt).contiguous();
   }
-  const at::Tensor valid = scores.index_select(0, pos_orig).isnan().logical_not().contiguous();
   const int64_t col_blocks = (n + kTile - 1) / kTile;
+  const int64_t summary_words = (col_blocks + 63) / 64;
   at::Tensor mask = at::empty({n * col_blocks}, long_opts);
-  at::Tensor kept_by_rank = at::zeros({n}, boxes.options().dtype(at::kBool));
+  at::Tensor summary = at::zeros({n * summary_words}, long_opts);
+  at::Tensor valid = at::empty({n}, boxes.options().dtype(at::kBool));
+  auto* mask_ptr = reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>());
+  auto* summary_ptr = reinterpret_cast<unsigned long long*>(summary.data_ptr<int64_t>());
+  const int64_t* rank_ptr = rank.defined() ? rank.const_data_ptr<int64_t>() : nullptr;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, boxes.scalar_type(), "detops.nms", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto acc_dtype = c10::CppTypeToScalarType<acc_t>::value;
-    const at::Tensor sorted_boxes = boxes.index_select(0, pos_orig).to(acc_dtype).contiguous();
+    at::Tensor sorted_boxes = at::empty({n, 4}, boxes.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    nms_prepare_kernel<scalar_t, acc_t><<<cuda::grid_for(n, kPrepareThreads), kPrepareThreads, 0, stream>>>(
+        n, boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1),
+        pos_orig.const_data_ptr<int64_t>(), rank_ptr, nan_by_rank.const_data_ptr<bool>(),
+        sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     const acc_t thr = geometry::iou_threshold_as<acc_t>(iou_threshold);
     const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(col_blocks));
-    auto* mask_ptr = reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>());
     if (idxs != nullptr) {
       nms_mask_kernel<acc_t, true><<<grid, kTile, 0, stream>>>(
-          n, col_blocks, sorted_boxes.const_data_ptr<acc_t>(), cls_sorted.const_data_ptr<int64_t>(),
-          thr, mask_ptr);
+          n, col_blocks, summary_words, sorted_boxes.const_data_ptr<acc_t>(),
+          cls_sorted.const_data_ptr<int64_t>(), thr, mask_ptr, summary_ptr);
     } else {
       nms_mask_kernel<acc_t, false><<<grid, kTile, 0, stream>>>(
-          n, col_blocks, sorted_boxes.const_data_ptr<acc_t>(), nullptr, thr, mask_ptr);
+          n, col_blocks, summary_words, sorted_boxes.const_data_ptr<acc_t>(), nullptr, thr,
+          mask_ptr, summary_ptr);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 
-  const auto* mask_ptr = reinterpret_cast<const uint64_t*>(mask.const_data_ptr<int64_t>());
-  const int32_t* end_ptr = end_block.defined() ? end_block.const_data_ptr<int32_t>() : nullptr;
-  const int64_t* rank_ptr = rank.defined() ? rank.const_data_ptr<int64_t>() : nullptr;
-  if (col_blocks <= kMaxSharedWords) {
-    nms_gather_kernel<true><<<1, kGatherThreads, col_blocks * sizeof(uint64_t), stream>>>(
-        n, col_blocks, mask_ptr, valid.const_data_ptr<bool>(), end_ptr, rank_ptr, nullptr,
-        kept_by_rank.data_ptr<bool>());
+  at::Tensor kept_by_rank, out, count;
+  if (idxs != nullptr) {
+    kept_by_rank = at::zeros({n}, boxes.options().dtype(at::kBool));
   } else {
-    at::Tensor removed = at::empty({col_blocks}, long_opts);
-    nms_gather_kernel<false><<<1, kGatherThreads, 0, stream>>>(
-        n, col_blocks, mask_ptr, valid.const_data_ptr<bool>(), end_ptr, rank_ptr,
-        reinterpret_cast<uint64_t*>(removed.data_ptr<int64_t>()), kept_by_rank.data_ptr<bool>());
+    out = at::empty({n}, long_opts);
+    count = at::empty({1}, long_opts);
   }
+  at::Tensor removed;
+  const bool shared_words = col_blocks <= kMaxSharedWords;
+  if (!shared_words) removed = at::empty({col_blocks}, long_opts);
+  auto gather = shared_words ? nms_gather_kernel<true> : nms_gather_kernel<false>;
+  gather<<<1, kGatherThreads, shared_words ? col_blocks * sizeof(uint64_t) : 0, stream>>>(
+      n, col_blocks, summary_words, mask_ptr, summary_ptr, valid.const_data_ptr<bool>(), rank_ptr,
+      order.const_data_ptr<int64_t>(),
+      shared_words ? nullptr : reinterpret_cast<unsigned long long*>(removed.data_ptr<int64_t>()),
+      kept_by_rank.defined() ? kept_by_rank.data_ptr<bool>() : nullptr,
+      out.defined() ? out.data_ptr<int64_t>() : nullptr,
+      count.defined() ? count.data_ptr<int64_t>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return order.masked_select(kept_by_rank);
+  if (idxs != nullptr) {
+    return order.masked_select(kept_by_rank);
+  }
+  // The one host sync: the number of kept boxes sizes the result.
+  return out.narrow(0, 0, count.item<int64_t>());
 }
 
 at::Tensor nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold) {
