@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.develop import develop as _develop
 
 try:
     import torch
@@ -91,6 +92,16 @@ def write_build_info(with_cuda):
         f.write(f"cuda_arch_list = {os.environ.get('TORCH_CUDA_ARCH_LIST') if with_cuda else None!r}\n")
 
 
+class Develop(_develop):
+    """`python setup.py develop`. Recent setuptools run it as `pip install -e .` under build
+    isolation, where torch is not importable: turn isolation off for that pip call (pip reads
+    PIP_NO_BUILD_ISOLATION=0 as --no-build-isolation)."""
+
+    def run(self):
+        os.environ.setdefault("PIP_NO_BUILD_ISOLATION", "0")
+        super().run()
+
+
 def get_extensions():
     with_cuda = want_cuda()
     csrc = os.path.join("csrc")
@@ -133,6 +144,6 @@ setup(
     packages=find_packages(exclude=("tests", "benchmarks", "tools", "configs")),
     install_requires=["torch"],
     ext_modules=get_extensions(),
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtension, "develop": Develop},
     zip_safe=False,
 )
