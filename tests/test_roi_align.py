@@ -192,6 +192,23 @@ def test_empty(device):
     assert g.shape == (2, 3, 4, 5) and g.abs().max() == 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampling_ratio", [-1, 2])
+def test_non_finite_boxes_read_nothing(device, sampling_ratio):
+    x = features(device=device).requires_grad_()
+    nan, inf = math.nan, math.inf
+    rois = torch.tensor(
+        [[0, nan, 1.0, 5.0, 5.0], [1, 1.0, 1.0, inf, 5.0], [0, -inf, -inf, inf, inf], [1, 1.0, 2.0, 6.0, 7.0]],
+        device=device,
+    )
+    out = roi_align(x, rois, 2, 1.0, sampling_ratio, True)
+    assert torch.isfinite(out).all()
+    assert out[0].abs().max() == 0 and out[2].abs().max() == 0
+    torch.testing.assert_close(out[3:], roi_align(x, rois[3:], 2, 1.0, sampling_ratio, True))
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
 def test_backward_is_thread_count_independent():
     x = features(batch=2, channels=5, height=16, width=16).requires_grad_()
     rois = edge_rois(2, 0.5, torch.float32, "cpu")
@@ -394,7 +411,6 @@ def test_cuda_matches_cpu(dtype, deterministic, aligned, sampling_ratio):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("sampling_ratio", [2, -1])
 def test_cuda_deterministic_backward(dtype, sampling_ratio):
-    x = torch.randn(2, 64, 40, 48, device="cuda", dtype=dtype)
     rois = _many_rois(2, 500, 320, dtype, "cuda")
     grad = torch.randn(500, 64, 7, 7, device="cuda", dtype=dtype)
     args = (rois, 1 / 8, 7, 7, 2, 64, 40, 48, sampling_ratio, True)
