@@ -1,6 +1,7 @@
 """roi_align: agreement with torchvision and with the float64 reference, gradients, layouts,
 empty inputs, torch.library registrations, autocast, argument checks, and (on a GPU) CPU/CUDA
 agreement and the deterministic backward."""
+import contextlib
 import math
 
 import pytest
@@ -381,6 +382,16 @@ def _many_rois(batch, n, size, dtype, device, seed=0):
     return torch.cat([idx, xy, xy + wh], 1).to(dtype=dtype, device=device)
 
 
+@contextlib.contextmanager
+def deterministic_algorithms(mode: bool, warn_only: bool = False):
+    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -393,7 +404,7 @@ def test_cuda_matches_cpu(dtype, deterministic, aligned, sampling_ratio):
     out_cpu = roi_align(xc, rois, (3, 2), 0.5, sampling_ratio, aligned)
     (out_cpu * w).sum().backward()
     xg = x.cuda().requires_grad_()
-    with torch.testing._internal.common_utils.DeterministicGuard(deterministic):
+    with deterministic_algorithms(deterministic):
         out = roi_align(xg, rois.cuda(), (3, 2), 0.5, sampling_ratio, aligned)
         (out * w.cuda()).sum().backward()
     if dtype in TOL:
@@ -414,15 +425,11 @@ def test_cuda_deterministic_backward(dtype, sampling_ratio):
     rois = _many_rois(2, 500, 320, dtype, "cuda")
     grad = torch.randn(500, 64, 7, 7, device="cuda", dtype=dtype)
     args = (rois, 1 / 8, 7, 7, 2, 64, 40, 48, sampling_ratio, True)
-    prev = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
+    with deterministic_algorithms(True):
         a = torch.ops.detops._roi_align_backward(grad, *args)
         b = torch.ops.detops._roi_align_backward(grad, *args)
-        torch.use_deterministic_algorithms(False)
+    with deterministic_algorithms(False):
         c = torch.ops.detops._roi_align_backward(grad, *args)  # atomics: must not raise
-    finally:
-        torch.use_deterministic_algorithms(prev)
     assert torch.equal(a, b)
     tol = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2}[dtype]
     torch.testing.assert_close(a.double(), c.double(), atol=tol * max(1.0, c.abs().max().item()), rtol=0)
@@ -433,17 +440,13 @@ def test_cuda_deterministic_backward(dtype, sampling_ratio):
 @pytest.mark.cuda
 def test_cuda_deterministic_empty_and_warn_only():
     x = torch.randn(2, 3, 8, 8, device="cuda", requires_grad=True)
-    prev = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    with deterministic_algorithms(True, warn_only=True):
         roi_align(x, torch.zeros(0, 5, device="cuda"), 2).sum().backward()
         assert x.grad.abs().max() == 0
         rois = torch.tensor([[1, 0.0, 0.0, 3.0, 3.0]], device="cuda")  # image 0 has none
         x.grad = None
         roi_align(x, rois, 2, 1.0, -1, False).sum().backward()
         assert x.grad[0].abs().max() == 0 and x.grad[1].abs().max() > 0
-    finally:
-        torch.use_deterministic_algorithms(prev)
 
 
 @pytest.mark.cuda
