@@ -1,0 +1,68 @@
+// Argument checks of roi_align and its backward, shared by the CPU and CUDA kernels. The batch
+// index of every RoI (rois[:, 0]) is checked by each device: on the CPU with a TORCH_CHECK,
+// on CUDA without a host sync (see the CUDA file).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "checks.h"
+#include "roi_align_geometry.h"
+
+namespace detops {
+namespace checks {
+
+inline void check_roi_align_common(
+    const char* op, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, int64_t sampling_ratio) {
+  TORCH_CHECK(
+      rois.dim() == 2 && rois.size(1) == 5, op, ": rois must be a [K, 5] tensor, got ",
+      shape_str(rois));
+  check_float_tensor(op, "rois", rois);
+  TORCH_CHECK(
+      pooled_height > 0 && pooled_width > 0, op,
+      ": pooled_height and pooled_width must be positive, got ", pooled_height, " and ",
+      pooled_width);
+  TORCH_CHECK(
+      std::isfinite(spatial_scale) && spatial_scale > 0, op,
+      ": spatial_scale must be a finite number > 0, got ", spatial_scale);
+  TORCH_CHECK(
+      sampling_ratio <= roi_align::kMaxGrid, op, ": sampling_ratio must be at most ",
+      roi_align::kMaxGrid, " (<= 0 means adaptive), got ", sampling_ratio);
+}
+
+// input [B, C, H, W], rois [K, 5] (batch index, x1, y1, x2, y2), same device and float dtype.
+inline void check_roi_align_inputs(
+    const char* op, const at::Tensor& input, const at::Tensor& rois, double spatial_scale,
+    int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio) {
+  TORCH_CHECK(
+      input.dim() == 4, op, ": input must be a [B, C, H, W] tensor, got ", shape_str(input));
+  check_float_tensor(op, "input", input);
+  check_roi_align_common(op, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio);
+  check_same_device(op, "input", input, "rois", rois);
+  check_same_dtype(op, "input", input, "rois", rois);
+}
+
+// grad [K, C, PH, PW] for rois [K, 5] and an input of [batch_size, channels, height, width].
+inline void check_roi_align_backward_inputs(
+    const char* op, const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
+    int64_t pooled_height, int64_t pooled_width, int64_t batch_size, int64_t channels,
+    int64_t height, int64_t width, int64_t sampling_ratio) {
+  check_float_tensor(op, "grad", grad);
+  check_roi_align_common(op, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio);
+  TORCH_CHECK(
+      batch_size >= 0 && channels >= 0 && height >= 0 && width >= 0, op,
+      ": batch_size, channels, height and width must be >= 0, got ", batch_size, ", ", channels,
+      ", ", height, ", ", width);
+  TORCH_CHECK(
+      grad.dim() == 4 && grad.size(0) == rois.size(0) && grad.size(1) == channels &&
+          grad.size(2) == pooled_height && grad.size(3) == pooled_width,
+      op, ": grad must be a [K, C, PH, PW] = [", rois.size(0), ", ", channels, ", ",
+      pooled_height, ", ", pooled_width, "] tensor, got ", shape_str(grad));
+  check_same_device(op, "grad", grad, "rois", rois);
+  check_same_dtype(op, "grad", grad, "rois", rois);
+}
+
+}  // namespace checks
+}  // namespace detops

@@ -1,0 +1,472 @@
+"""roi_align: agreement with torchvision and with the float64 reference, gradients, layouts,
+empty inputs, torch.library registrations, autocast, argument checks, and (on a GPU) CPU/CUDA
+agreement and the deterministic backward."""
+import contextlib
+import math
+
+import pytest
+import torch
+import torchvision
+
+import detops  # noqa: F401  (loads the ops)
+from detops.ops import RoIAlign, roi_align
+from detops.reference.roi_align import roi_align as ref_roi_align
+from tests.conftest import DEVICES
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12)}
+# Output rounding of the low-precision dtypes, relative to the largest magnitude.
+LOW_TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+# Boxes in feature-map pixels of a 12 x 10 (H x W) map; divided by spatial_scale before use.
+EDGE_BOXES = [
+    (1.3, 2.2, 7.8, 9.1),  # inside
+    (-3.0, -2.0, 4.0, 5.0),  # partly outside, top-left
+    (6.0, 7.0, 14.0, 15.0),  # partly outside, bottom-right
+    (20.0, 20.0, 30.0, 30.0),  # wholly outside
+    (-10.0, -10.0, -5.0, -4.0),  # wholly outside, negative
+    (3.2, 4.1, 3.3, 4.15),  # tiny
+    (5.0, 5.0, 2.0, 3.0),  # inverted
+    (4.0, 4.0, 4.0, 4.0),  # a point
+    (0.0, 0.0, 10.0, 12.0),  # the whole map
+    (-1.0, -1.0, 11.0, 13.0),  # the map and its one-pixel border
+    (-25.0, -30.0, 35.0, 40.0),  # huge
+]
+
+
+def edge_rois(batch: int, scale: float, dtype, device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    boxes = torch.tensor(EDGE_BOXES, dtype=torch.float64)
+    # plus random boxes, some spilling over the border
+    xy = torch.rand(12, 2, generator=g, dtype=torch.float64) * torch.tensor([12.0, 14.0]) - 2
+    wh = torch.rand(12, 2, generator=g, dtype=torch.float64) * 8
+    boxes = torch.cat([boxes, torch.cat([xy, xy + wh], 1)]) / scale
+    idx = torch.randint(0, batch, (boxes.size(0), 1), generator=g).double()
+    return torch.cat([idx, boxes], 1).to(dtype=dtype, device=device)
+
+
+def features(batch=2, channels=3, height=12, width=10, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, channels, height, width, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+def tv_roi_align(x, rois, output_size, scale, sampling_ratio, aligned):
+    return torchvision.ops.roi_align(x, rois, output_size, scale, sampling_ratio, aligned)
+
+
+CASES = [
+    (aligned, sr, scale)
+    for aligned in (False, True)
+    for sr in (-1, 0, 2)
+    for scale in (0.25, 0.5)
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("aligned,sampling_ratio,scale", CASES)
+def test_forward_matches_torchvision_and_reference(device, dtype, aligned, sampling_ratio, scale):
+    x = features(dtype=dtype, device=device)
+    rois = edge_rois(2, scale, dtype, device)
+    out = roi_align(x, rois, (3, 4), scale, sampling_ratio, aligned)
+    assert out.shape == (rois.size(0), 3, 3, 4) and out.dtype == dtype and out.is_contiguous()
+    expected = tv_roi_align(x.cpu(), rois.cpu(), (3, 4), scale, sampling_ratio, aligned)
+    torch.testing.assert_close(out.cpu(), expected, **TOL[dtype])
+    ref = ref_roi_align(x.cpu(), rois.cpu(), (3, 4), scale, sampling_ratio, aligned)
+    torch.testing.assert_close(out.cpu().double(), ref, **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else TOL[dtype]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("aligned,sampling_ratio", [(False, -1), (True, 2), (True, 0)])
+def test_forward_low_precision(device, dtype, aligned, sampling_ratio):
+    scale = 0.5
+    x = features(dtype=dtype, device=device)
+    rois = edge_rois(2, scale, dtype, device)
+    out = roi_align(x, rois, 3, scale, sampling_ratio, aligned)
+    assert out.dtype == dtype
+    # the reference on the same rounded values
+    ref = ref_roi_align(x.cpu().double(), rois.cpu().double(), (3, 3), scale, sampling_ratio, aligned)
+    tol = LOW_TOL[dtype] * max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_list_of_boxes(device):
+    x = features(batch=3, device=device)
+    boxes = [
+        torch.tensor([[1.0, 1.0, 6.0, 5.0], [0.5, 2.0, 9.0, 11.0]], device=device),
+        torch.zeros(0, 4, device=device),
+        torch.tensor([[2.0, 3.0, 4.5, 8.0]], device=device),
+    ]
+    out = roi_align(x, boxes, 2, 1.0, 2, True)
+    rois = torch.tensor(
+        [[0, 1.0, 1.0, 6.0, 5.0], [0, 0.5, 2.0, 9.0, 11.0], [2, 2.0, 3.0, 4.5, 8.0]], device=device
+    )
+    torch.testing.assert_close(out, roi_align(x, rois, 2, 1.0, 2, True), atol=0, rtol=0)
+    torch.testing.assert_close(out.cpu(), tv_roi_align(x.cpu(), [b.cpu() for b in boxes], 2, 1.0, 2, True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("aligned,sampling_ratio,scale", [(False, -1, 0.5), (True, 2, 0.25), (True, 0, 0.5)])
+def test_backward_matches_torchvision_and_reference(device, dtype, aligned, sampling_ratio, scale):
+    x = features(batch=3, dtype=dtype, device=device).requires_grad_()
+    rois = edge_rois(2, scale, dtype, device)  # image 2 has no RoIs
+    w = torch.randn(rois.size(0), 3, 2, 3, dtype=dtype, generator=torch.Generator().manual_seed(1)).to(device)
+    (roi_align(x, rois, (2, 3), scale, sampling_ratio, aligned) * w).sum().backward()
+    xt = x.detach().cpu().requires_grad_()
+    (tv_roi_align(xt, rois.cpu(), (2, 3), scale, sampling_ratio, aligned) * w.cpu()).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), xt.grad, **TOL[dtype])
+    xr = x.detach().cpu().requires_grad_()
+    (ref_roi_align(xr, rois.cpu(), (2, 3), scale, sampling_ratio, aligned) * w.cpu().double()).sum().backward()
+    torch.testing.assert_close(x.grad.cpu().double(), xr.grad.double(), **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else TOL[dtype]))
+    assert x.grad[2].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_low_precision_cpu(dtype):
+    x = features(dtype=dtype).requires_grad_()
+    rois = edge_rois(2, 0.5, dtype, "cpu")
+    roi_align(x, rois, 2, 0.5, 2, True).sum().backward()
+    xr = x.detach().double().requires_grad_()
+    ref_roi_align(xr, rois.double(), (2, 2), 0.5, 2, True).sum().backward()
+    assert x.grad.dtype == dtype
+    tol = LOW_TOL[dtype] * max(1.0, xr.grad.abs().max().item())
+    torch.testing.assert_close(x.grad.double(), xr.grad, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("aligned,sampling_ratio", [(False, 2), (True, -1)])
+def test_gradcheck(device, aligned, sampling_ratio):
+    x = features(batch=2, channels=2, height=6, width=5, dtype=torch.float64, device=device).requires_grad_()
+    rois = torch.tensor(
+        [[0, 0.3, 0.7, 3.9, 4.6], [1, -1.2, 1.1, 6.5, 3.3], [1, 2.0, 2.0, 2.6, 2.9]],
+        dtype=torch.float64,
+        device=device,
+    )
+    assert torch.autograd.gradcheck(lambda t: roi_align(t, rois, (2, 2), 1.0, sampling_ratio, aligned), (x,))
+    assert torch.autograd.gradcheck(
+        lambda t: torch.ops.detops.roi_align(t, rois, 1.0, 2, 2, sampling_ratio, aligned), (x,)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layouts(device):
+    x = features(batch=2, channels=4, device=device)
+    rois = edge_rois(2, 0.5, torch.float32, device)
+    expected = roi_align(x, rois, 3, 0.5, 2, False)
+    x_cl = x.to(memory_format=torch.channels_last)
+    x_nc = features(batch=2, channels=8, device=device)[:, ::2]  # strided channels
+    x_nc.copy_(x)
+    rois_nc = torch.cat([rois, rois], 1)[:, ::2]  # column stride 2
+    rois_nc.copy_(rois)
+    assert not x_cl.is_contiguous() and not x_nc.is_contiguous() and not rois_nc.is_contiguous()
+    for xi, ri in ((x_cl, rois), (x_nc, rois_nc)):
+        xi = xi.detach().requires_grad_()
+        out = roi_align(xi, ri, 3, 0.5, 2, False)
+        assert out.is_contiguous()
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)
+        out.sum().backward()
+        xc = x.detach().requires_grad_()
+        roi_align(xc, rois, 3, 0.5, 2, False).sum().backward()
+        torch.testing.assert_close(xi.grad, xc.grad, atol=0, rtol=0)
+    # a non-contiguous grad
+    xg = x.detach().requires_grad_()
+    out = roi_align(xg, rois, 3, 0.5, 2, False)
+    out.backward(torch.ones(1, 1, 1, 1, device=device).expand_as(out))
+    torch.testing.assert_close(xg.grad, xc.grad, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty(device):
+    x = features(batch=2, channels=3, device=device).requires_grad_()
+    rois = torch.zeros(0, 5, device=device)
+    out = roi_align(x, rois, (2, 3), 1.0, 2, True)
+    assert out.shape == (0, 3, 2, 3)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and x.grad.abs().max() == 0
+    # no channels
+    x0 = torch.zeros(2, 0, 4, 4, device=device)
+    assert roi_align(x0, torch.tensor([[0, 0.0, 0, 2, 2]], device=device), 2).shape == (1, 0, 2, 2)
+    # backward op with K = 0
+    g = torch.ops.detops._roi_align_backward(torch.zeros(0, 3, 2, 3, device=device), rois, 1.0, 2, 3, 2, 3, 4, 5, 2, True)
+    assert g.shape == (2, 3, 4, 5) and g.abs().max() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampling_ratio", [-1, 2])
+def test_non_finite_boxes_read_nothing(device, sampling_ratio):
+    x = features(device=device).requires_grad_()
+    nan, inf = math.nan, math.inf
+    rois = torch.tensor(
+        [[0, nan, 1.0, 5.0, 5.0], [1, 1.0, 1.0, inf, 5.0], [0, -inf, -inf, inf, inf], [1, 1.0, 2.0, 6.0, 7.0]],
+        device=device,
+    )
+    out = roi_align(x, rois, 2, 1.0, sampling_ratio, True)
+    assert torch.isfinite(out).all()
+    assert out[0].abs().max() == 0 and out[2].abs().max() == 0
+    torch.testing.assert_close(out[3:], roi_align(x, rois[3:], 2, 1.0, sampling_ratio, True))
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_backward_is_thread_count_independent():
+    x = features(batch=2, channels=5, height=16, width=16).requires_grad_()
+    rois = edge_rois(2, 0.5, torch.float32, "cpu")
+    grads = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            x.grad = None
+            roi_align(x, rois, 3, 0.5, -1, True).pow(2).sum().backward()
+            grads.append(x.grad.clone())
+    finally:
+        torch.set_num_threads(threads)
+    for g in grads[1:]:
+        assert torch.equal(g, grads[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x = features(batch=2, channels=2, height=6, width=5, dtype=torch.float64, device=device).requires_grad_()
+    rois = torch.tensor([[0, 0.3, 0.7, 3.9, 4.6], [1, -1.2, 1.1, 6.5, 3.3]], dtype=torch.float64, device=device)
+    torch.library.opcheck(torch.ops.detops.roi_align.default, (x, rois, 0.5, 2, 3, 2, True))
+    torch.library.opcheck(torch.ops.detops.roi_align.default, (x.detach(), rois, 1.0, 3, 2, -1, False))
+    grad = torch.randn(2, 2, 2, 3, dtype=torch.float64, device=device)
+    torch.library.opcheck(
+        torch.ops.detops._roi_align_backward.default, (grad, rois, 0.5, 2, 3, 2, 2, 6, 5, 2, True)
+    )
+
+
+def test_double_backward_raises():
+    x = features(batch=1, channels=1, height=4, width=4, dtype=torch.float64).requires_grad_()
+    rois = torch.tensor([[0, 0.5, 0.5, 3.0, 3.0]], dtype=torch.float64)
+    out = torch.ops.detops.roi_align(x, rois, 1.0, 2, 2, 2, False)
+    (g,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.sum().backward()
+    out = roi_align(x, rois, 2, 1.0, 2, False)
+    (g,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()
+
+
+def test_compile_fullgraph_cpu():
+    torch._dynamo.reset()
+    x = features(batch=2, channels=2, height=8, width=8).requires_grad_()
+    rois = torch.tensor([[0, 0.3, 0.7, 5.9, 4.6], [1, -1.2, 1.1, 6.5, 3.3]])
+
+    def f(t, r):
+        return roi_align(t, r, (2, 2), 0.5, 2, True).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, rois)
+    (g,) = torch.autograd.grad(loss, x)
+    loss_e = f(x, rois)
+    (g_e,) = torch.autograd.grad(loss_e, x)
+    torch.testing.assert_close(loss, loss_e)
+    torch.testing.assert_close(g, g_e)
+
+
+def test_autocast_cpu():
+    x = features(batch=2, channels=3)
+    rois = edge_rois(2, 0.5, torch.float32, "cpu")
+    expected = roi_align(x, rois, 3, 0.5, 2, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = roi_align(x, rois, 3, 0.5, 2, True)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    # bfloat16 features with float32 boxes: runs in float32, returns bfloat16
+    xb = x.bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = roi_align(xb, rois, 3, 0.5, 2, True)
+        out_op = torch.ops.detops.roi_align(xb, rois, 0.5, 3, 3, 2, True)
+    assert out.dtype == torch.bfloat16 and out_op.dtype == torch.bfloat16
+    ref = roi_align(xb.detach().float(), rois, 3, 0.5, 2, True)
+    torch.testing.assert_close(out.float(), ref, atol=8e-3 * max(1.0, ref.abs().max().item()), rtol=0)
+    torch.testing.assert_close(out_op, out, atol=0, rtol=0)
+    out.float().sum().backward()
+    assert xb.grad.dtype == torch.bfloat16
+    xf = xb.detach().float().requires_grad_()
+    roi_align(xf, rois, 3, 0.5, 2, True).sum().backward()
+    torch.testing.assert_close(xb.grad.float(), xf.grad, atol=1e-2 * max(1.0, xf.grad.abs().max().item()), rtol=0)
+
+
+def test_module():
+    m = RoIAlign((2, 3), spatial_scale=0.5, sampling_ratio=2, aligned=True)
+    assert repr(m) == "RoIAlign(output_size=(2, 3), spatial_scale=0.5, sampling_ratio=2, aligned=True)"
+    x = features()
+    rois = edge_rois(2, 0.5, torch.float32, "cpu")
+    torch.testing.assert_close(m(x, rois), torchvision.ops.RoIAlign((2, 3), 0.5, 2, True)(x, rois))
+
+
+def test_c_entries():
+    x = features()
+    rois = edge_rois(2, 0.5, torch.float32, "cpu")
+    out = detops._C.roi_align_forward(x, rois, 0.5, 2, 2, 2, True)
+    torch.testing.assert_close(out, roi_align(x, rois, 2, 0.5, 2, True), atol=0, rtol=0)
+    g = detops._C.roi_align_backward(torch.ones_like(out), rois, 0.5, 2, 2, 2, 3, 12, 10, 2, True)
+    assert g.shape == x.shape
+
+
+def _bad_forward_cases():
+    x = features(batch=2)
+    rois = torch.tensor([[0, 1.0, 1.0, 5.0, 5.0], [1, 2.0, 2.0, 6.0, 6.0]])
+
+    def with_index(v):
+        r = rois.clone()
+        r[1, 0] = v
+        return r
+
+    return [
+        ("input 3-D", lambda: roi_align(x[0], rois, 2), "input must be a \\[B, C, H, W\\] tensor, got \\[3, 12, 10\\]"),
+        ("rois [3, 4]", lambda: roi_align(x, torch.zeros(3, 4), 2), "rois must be a \\[K, 5\\] tensor, got \\[3, 4\\]"),
+        ("rois 1-D", lambda: roi_align(x, torch.zeros(5), 2), "rois must be a \\[K, 5\\] tensor, got \\[5\\]"),
+        ("int rois", lambda: roi_align(x, rois.long(), 2), "rois must be a float32"),
+        ("int input", lambda: roi_align(x.long(), rois, 2), "input must be a float32"),
+        ("dtypes", lambda: roi_align(x, rois.double(), 2), "input and rois must have the same dtype"),
+        ("pooled 0", lambda: roi_align(x, rois, (0, 2)), "pooled_height and pooled_width must be positive"),
+        ("pooled -1", lambda: roi_align(x, rois, (2, -1)), "pooled_height and pooled_width must be positive"),
+        ("scale 0", lambda: roi_align(x, rois, 2, 0.0), "spatial_scale must be a finite number > 0"),
+        ("scale < 0", lambda: roi_align(x, rois, 2, -0.5), "spatial_scale must be a finite number > 0"),
+        ("scale inf", lambda: roi_align(x, rois, 2, math.inf), "spatial_scale must be a finite number > 0"),
+        ("scale nan", lambda: roi_align(x, rois, 2, math.nan), "spatial_scale must be a finite number > 0"),
+        ("sampling_ratio huge", lambda: roi_align(x, rois, 2, 1.0, 1 << 20), "sampling_ratio must be at most"),
+        ("index = B", lambda: roi_align(x, with_index(2.0), 2), "rois\\[1, 0\\] \\(the batch index\\) must be an integer in \\[0, 2\\)"),
+        ("index < 0", lambda: roi_align(x, with_index(-1.0), 2), "the batch index\\) must be an integer"),
+        ("index 0.5", lambda: roi_align(x, with_index(0.5), 2), "the batch index\\) must be an integer"),
+        ("index nan", lambda: roi_align(x, with_index(math.nan), 2), "the batch index\\) must be an integer"),
+        (
+            "backward grad shape",
+            lambda: torch.ops.detops._roi_align_backward(torch.zeros(2, 3, 2, 3), rois, 1.0, 2, 2, 2, 3, 12, 10, 2, False),
+            "grad must be a \\[K, C, PH, PW\\] = \\[2, 3, 2, 2\\] tensor, got \\[2, 3, 2, 3\\]",
+        ),
+        (
+            "backward batch index",
+            lambda: torch.ops.detops._roi_align_backward(torch.zeros(2, 3, 2, 2), with_index(5.0), 1.0, 2, 2, 2, 3, 12, 10, 2, False),
+            "the batch index\\) must be an integer",
+        ),
+        (
+            "backward grad dtype",
+            lambda: torch.ops.detops._roi_align_backward(torch.zeros(2, 3, 2, 2).double(), rois, 1.0, 2, 2, 2, 3, 12, 10, 2, False),
+            "grad and rois must have the same dtype",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_forward_cases(), ids=lambda c: c[0])
+def test_bad_inputs(case):
+    _, call, message = case
+    with pytest.raises(RuntimeError, match=message) as info:
+        call()
+    assert "roi_align" in str(info.value)
+
+
+def test_bad_python_arguments():
+    x = features()
+    with pytest.raises(ValueError, match="roi_align: output_size"):
+        roi_align(x, torch.zeros(1, 5), (1, 2, 3))
+    with pytest.raises(ValueError, match="roi_align: boxes\\[0\\] must be a \\[L, 4\\] tensor"):
+        roi_align(x, [torch.zeros(2, 5)], 2)
+
+
+# --- CUDA --------------------------------------------------------------------------------------
+
+
+def _many_rois(batch, n, size, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xy = torch.rand(n, 2, generator=g) * size
+    wh = torch.rand(n, 2, generator=g) * size / 2 + 1
+    idx = torch.randint(0, batch, (n, 1), generator=g).float()
+    return torch.cat([idx, xy, xy + wh], 1).to(dtype=dtype, device=device)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(mode: bool, warn_only: bool = False):
+    prev, prev_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("aligned,sampling_ratio", [(False, -1), (True, 2), (True, 0)])
+def test_cuda_matches_cpu(dtype, deterministic, aligned, sampling_ratio):
+    x = features(batch=3, channels=4, height=12, width=10, dtype=dtype)
+    rois = edge_rois(2, 0.5, dtype, "cpu")
+    w = torch.randn(rois.size(0), 4, 3, 2, generator=torch.Generator().manual_seed(3)).to(dtype)
+    xc = x.clone().requires_grad_()
+    out_cpu = roi_align(xc, rois, (3, 2), 0.5, sampling_ratio, aligned)
+    (out_cpu * w).sum().backward()
+    xg = x.cuda().requires_grad_()
+    with deterministic_algorithms(deterministic):
+        out = roi_align(xg, rois.cuda(), (3, 2), 0.5, sampling_ratio, aligned)
+        (out * w.cuda()).sum().backward()
+    if dtype in TOL:
+        tol = TOL[dtype] if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.cpu(), out_cpu, **tol)
+        torch.testing.assert_close(xg.grad.cpu(), xc.grad, **tol)
+    else:
+        scale = max(1.0, out_cpu.abs().max().item())
+        torch.testing.assert_close(out.cpu(), out_cpu, atol=2 * LOW_TOL[dtype] * scale, rtol=0)
+        gscale = max(1.0, xc.grad.abs().max().item())
+        torch.testing.assert_close(xg.grad.cpu().double(), xc.grad.double(), atol=4 * LOW_TOL[dtype] * gscale, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("sampling_ratio", [2, -1])
+def test_cuda_deterministic_backward(dtype, sampling_ratio):
+    rois = _many_rois(2, 500, 320, dtype, "cuda")
+    grad = torch.randn(500, 64, 7, 7, device="cuda", dtype=dtype)
+    args = (rois, 1 / 8, 7, 7, 2, 64, 40, 48, sampling_ratio, True)
+    with deterministic_algorithms(True):
+        a = torch.ops.detops._roi_align_backward(grad, *args)
+        b = torch.ops.detops._roi_align_backward(grad, *args)
+    with deterministic_algorithms(False):
+        c = torch.ops.detops._roi_align_backward(grad, *args)  # atomics: must not raise
+    assert torch.equal(a, b)
+    tol = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2}[dtype]
+    torch.testing.assert_close(a.double(), c.double(), atol=tol * max(1.0, c.abs().max().item()), rtol=0)
+    ref = torch.ops.detops._roi_align_backward(grad.cpu(), rois.cpu(), *args[1:])
+    torch.testing.assert_close(a.cpu().double(), ref.double(), atol=tol * max(1.0, ref.abs().max().item()), rtol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_deterministic_empty_and_warn_only():
+    x = torch.randn(2, 3, 8, 8, device="cuda", requires_grad=True)
+    with deterministic_algorithms(True, warn_only=True):
+        roi_align(x, torch.zeros(0, 5, device="cuda"), 2).sum().backward()
+        assert x.grad.abs().max() == 0
+        rois = torch.tensor([[1, 0.0, 0.0, 3.0, 3.0]], device="cuda")  # image 0 has none
+        x.grad = None
+        roi_align(x, rois, 2, 1.0, -1, False).sum().backward()
+        assert x.grad[0].abs().max() == 0 and x.grad[1].abs().max() > 0
+
+
+@pytest.mark.cuda
+def test_cuda_device_mismatch():
+    x = features(device="cuda")
+    with pytest.raises(RuntimeError, match="roi_align: input and rois must be on the same device"):
+        roi_align(x, torch.tensor([[0, 1.0, 1.0, 5.0, 5.0]]), 2)
+
+
+@pytest.mark.cuda
+def test_cuda_autocast():
+    x = features(device="cuda")
+    rois = edge_rois(2, 0.5, torch.float32, "cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = roi_align(x.half(), rois, 3, 0.5, 2, True)
+    assert out.dtype == torch.float16
+    ref = roi_align(x.half().float(), rois, 3, 0.5, 2, True)
+    torch.testing.assert_close(out.float(), ref, atol=1e-3 * max(1.0, ref.abs().max().item()), rtol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_opcheck():
+    test_opcheck("cuda")
