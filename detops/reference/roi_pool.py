@@ -54,29 +54,31 @@ def roi_pool(
     k = rois.size(0)
     _, ch, height, width = input.shape
     acc = _acc_dtype(input.dtype)
-    x = input.to(acc).cpu()
-    out = torch.zeros(k, ch, pooled_height, pooled_width, dtype=acc)
-    arg = torch.full((k, ch, pooled_height, pooled_width), -1, dtype=torch.int32)
-    h0, h1, w0, w1 = bins(rois, spatial_scale, pooled_height, pooled_width, height, width)
+    planes = input.to(torch.float64).cpu().tolist()  # exact for every supported dtype
+    out = [[[[0.0] * pooled_width for _ in range(pooled_height)] for _ in range(ch)] for _ in range(k)]
+    arg = [[[[-1] * pooled_width for _ in range(pooled_height)] for _ in range(ch)] for _ in range(k)]
+    h0, h1, w0, w1 = (t.tolist() for t in bins(rois, spatial_scale, pooled_height, pooled_width, height, width))
     batch = rois[:, 0].cpu().long().tolist()
-    cols = torch.arange(height * width).view(height, width)
     for i in range(k):
         for ph in range(pooled_height):
-            hs, he = int(h0[i, ph]), int(h1[i, ph])
+            hs, he = h0[i][ph], h1[i][ph]
             for pw in range(pooled_width):
-                ws, we = int(w0[i, pw]), int(w1[i, pw])
+                ws, we = w0[i][pw], w1[i][pw]
                 if he <= hs or we <= ws:
                     continue
-                region = x[batch[i], :, hs:he, ws:we].reshape(ch, -1)
-                region = torch.nan_to_num(region, nan=float("-inf"))
-                idx = cols[hs:he, ws:we].reshape(-1)
-                best = region.max(dim=1).values
-                n = region.size(1)
-                first = torch.where(region == best[:, None], torch.arange(n), n).min(dim=1).values
-                found = best > _LOWEST
-                out[i, :, ph, pw] = torch.where(found, best, torch.full_like(best, _LOWEST))
-                arg[i, :, ph, pw] = torch.where(found, idx[first.clamp(max=n - 1)], -1).int()
-    return out.to(input.dtype).to(input.device), arg.to(input.device)
+                for c in range(ch):
+                    plane = planes[batch[i]][c]
+                    best, best_idx = _LOWEST, -1
+                    for h in range(hs, he):
+                        row = plane[h]
+                        for w in range(ws, we):
+                            if row[w] > best:  # strict: the first maximum wins, NaN never does
+                                best, best_idx = row[w], h * width + w
+                    out[i][c][ph][pw] = best
+                    arg[i][c][ph][pw] = best_idx
+    shape = (k, ch, pooled_height, pooled_width)
+    output = torch.tensor(out, dtype=acc).view(shape).to(input.dtype).to(input.device)
+    return output, torch.tensor(arg, dtype=torch.int32).view(shape).to(input.device)
 
 
 def roi_pool_backward(
