@@ -198,6 +198,13 @@ def test_autocast_cpu():
     assert out.dtype == torch.bfloat16 and out_x.dtype == torch.bfloat16
     assert out_f.dtype == torch.float32 and arg.dtype == torch.int32
     assert torch.equal(out, op(x.float(), rois, 1.0, 2, 2)[0].bfloat16())
+    # backward through the Function and through the op's own autograd registration
+    for fn in (lambda t: roi_pool(t, rois, 2), lambda t: op(t, rois, 1.0, 2, 2)[0]):
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(xg)
+        y.float().sum().backward()
+        assert xg.grad.dtype == torch.bfloat16 and xg.grad.sum() == 16  # 2 RoIs x 2 channels x 4 bins
 
 
 BAD = [

@@ -28,15 +28,18 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.spatial_scale = spatial_scale
     ctx.pooled_size = (pooled_height, pooled_width)
     ctx.input_shape = tuple(input.shape)
+    ctx.input_dtype = input.dtype
 
 
 def _backward(ctx, grad_output: Tensor, grad_argmax: Tensor):
     rois, argmax = ctx.saved_tensors
     b, c, h, w = ctx.input_shape
+    # Under autocast the op ran in float32 on casts of the arguments (the Function saw the
+    # original ones): the gradient is taken in the RoIs' dtype and returned in the input's.
     grad_input = torch.ops.detops._roi_pool_backward(
-        grad_output, rois, argmax, ctx.spatial_scale, *ctx.pooled_size, b, c, h, w
+        grad_output.to(rois.dtype), rois, argmax, ctx.spatial_scale, *ctx.pooled_size, b, c, h, w
     )
-    return grad_input, None, None, None, None
+    return grad_input.to(ctx.input_dtype), None, None, None, None
 
 
 torch.library.register_autograd("detops::roi_pool", _backward, setup_context=_setup_context)
