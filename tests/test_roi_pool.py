@@ -1,5 +1,8 @@
 """detops.ops.roi_pool against torchvision.ops.roi_pool and the plain-PyTorch reference."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -341,11 +344,18 @@ def test_cuda_deterministic_backward(dtype):
 
 @pytest.mark.cuda
 def test_cuda_invalid_batch_index_asserts():
-    x = torch.randn(2, 3, 8, 8, device="cuda")
-    rois = torch.tensor([[5.0, 0, 0, 4, 4]], device="cuda")
-    with pytest.raises(RuntimeError):
-        op(x, rois, 1.0, 2, 2)
-        torch.cuda.synchronize()
+    # a device-side assertion poisons the CUDA context, so it fires in a child process
+    code = (
+        "import torch, detops\n"
+        "x = torch.randn(2, 3, 8, 8, device='cuda')\n"
+        "rois = torch.tensor([[5.0, 0, 0, 4, 4]], device='cuda')\n"
+        "torch.ops.detops.roi_pool(x, rois, 1.0, 2, 2)\n"
+        "torch.cuda.synchronize()\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "assert" in done.stderr.lower(), done.stderr
 
 
 @pytest.mark.cuda
