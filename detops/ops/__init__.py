@@ -1,5 +1,7 @@
 """Detection ops, drop-in for their `torchvision.ops` namesakes."""
 from .nms import batched_nms, nms
+from .poolers import MultiScaleRoIAlign
 from .roi_align import RoIAlign, roi_align
+from .roi_pool import RoIPool, roi_pool
 
-__all__ = ["nms", "batched_nms", "roi_align", "RoIAlign"]
+__all__ = ["nms", "batched_nms", "roi_align", "RoIAlign", "roi_pool", "RoIPool", "MultiScaleRoIAlign"]

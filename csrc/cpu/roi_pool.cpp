@@ -1,0 +1,212 @@
+// RoIPool (max) forward and backward on the CPU.
+//
+// Forward: one work item per (RoI, channel); the input is read through its strides, so
+// contiguous, channels_last and other strided inputs need no copy. Backward: one work item per
+// (image, channel) plane of grad_input, which sums the gradients of that image's RoIs in RoI
+// order into a private buffer and writes the plane once: race-free, deterministic, and the same
+// summation order as a serial loop over RoIs.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "../common/checks.h"
+#include "../common/roi_pool_geometry.h"
+
+namespace detops {
+namespace ops {
+namespace {
+
+using geometry::roi_pool_bin;
+using geometry::roi_pool_box;
+
+// Rejects a RoI whose batch index is not an integer in [0, batch_size); returns the indices.
+template <typename scalar_t>
+std::vector<int64_t> batch_indices(const char* op, const at::Tensor& rois, int64_t batch_size) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t k = rois.size(0);
+  const scalar_t* r = rois.const_data_ptr<scalar_t>();
+  std::vector<int64_t> out(k);
+  for (int64_t i = 0; i < k; ++i) {
+    const acc_t v = static_cast<acc_t>(r[i * 5]);
+    out[i] = geometry::roi_pool_batch_index(v, batch_size);
+    TORCH_CHECK(
+        out[i] >= 0, op, ": rois[:, 0] must hold batch indices, integers in [0, ", batch_size,
+        "), got ", v, " in row ", i);
+  }
+  return out;
+}
+
+template <typename scalar_t>
+void roi_pool_forward_typed(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, at::Tensor& output, at::Tensor& argmax) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t batch = input.size(0), channels = input.size(1);
+  const int64_t height = input.size(2), width = input.size(3);
+  const int64_t s_b = input.stride(0), s_c = input.stride(1);
+  const int64_t s_h = input.stride(2), s_w = input.stride(3);
+  const int64_t bins = pooled_height * pooled_width;
+  const acc_t scale = static_cast<acc_t>(spatial_scale);
+  const scalar_t* in = input.const_data_ptr<scalar_t>();
+  const scalar_t* r = rois.const_data_ptr<scalar_t>();
+  scalar_t* out = output.data_ptr<scalar_t>();
+  int32_t* arg = argmax.data_ptr<int32_t>();
+
+  const int64_t grain = std::max<int64_t>(1, 1024 / bins);
+  at::parallel_for(0, rois.size(0) * channels, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t k = i / channels, c = i % channels;
+      const scalar_t* roi = r + k * 5;
+      const auto box = roi_pool_box<acc_t>(
+          static_cast<acc_t>(roi[0]), static_cast<acc_t>(roi[1]), static_cast<acc_t>(roi[2]),
+          static_cast<acc_t>(roi[3]), static_cast<acc_t>(roi[4]), scale, batch, pooled_height,
+          pooled_width);
+      const scalar_t* plane = in + (box.batch >= 0 ? box.batch * s_b + c * s_c : 0);
+      scalar_t* o = out + i * bins;
+      int32_t* a = arg + i * bins;
+      for (int64_t ph = 0; ph < pooled_height; ++ph) {
+        for (int64_t pw = 0; pw < pooled_width; ++pw) {
+          const int64_t j = ph * pooled_width + pw;
+          int64_t h0, h1, w0, w1;
+          if (!roi_pool_bin(box, ph, pw, height, width, h0, h1, w0, w1)) {
+            o[j] = scalar_t(0);
+            a[j] = -1;
+            continue;
+          }
+          acc_t best = geometry::roi_pool_lowest<acc_t>();
+          int64_t best_idx = -1;
+          for (int64_t h = h0; h < h1; ++h) {
+            const scalar_t* row = plane + h * s_h;
+            for (int64_t w = w0; w < w1; ++w) {
+              const acc_t v = static_cast<acc_t>(row[w * s_w]);
+              if (v > best) {
+                best = v;
+                best_idx = h * width + w;
+              }
+            }
+          }
+          o[j] = static_cast<scalar_t>(best);
+          a[j] = static_cast<int32_t>(best_idx);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(
+    const at::Tensor& input, const at::Tensor& rois_in, double spatial_scale,
+    int64_t pooled_height, int64_t pooled_width) {
+  checks::check_roi_pool_inputs(input, rois_in, spatial_scale, pooled_height, pooled_width);
+  checks::check_device("detops.roi_pool", "input", input, at::kCPU);
+  TORCH_CHECK(
+      input.size(2) * input.size(3) <= std::numeric_limits<int32_t>::max(),
+      "detops.roi_pool: input must have H * W < 2^31 (argmax is int32), got ",
+      checks::shape_str(input));
+  const int64_t k = rois_in.size(0);
+  at::Tensor output = at::empty({k, input.size(1), pooled_height, pooled_width}, input.options());
+  at::Tensor argmax = at::empty(output.sizes(), input.options().dtype(at::kInt));
+  if (k == 0) return {output, argmax};
+  const at::Tensor rois = rois_in.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_pool", [&] {
+        batch_indices<scalar_t>("detops.roi_pool", rois, input.size(0));
+        if (output.numel() == 0) return;
+        roi_pool_forward_typed<scalar_t>(
+            input, rois, spatial_scale, pooled_height, pooled_width, output, argmax);
+      });
+  return {output, argmax};
+}
+
+template <typename scalar_t>
+void roi_pool_backward_typed(
+    const at::Tensor& grad, const std::vector<int64_t>& roi_batch, const at::Tensor& argmax,
+    int64_t pooled_height, int64_t pooled_width, at::Tensor& grad_input) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t batch = grad_input.size(0), channels = grad_input.size(1);
+  const int64_t plane_size = grad_input.size(2) * grad_input.size(3);
+  const int64_t bins = pooled_height * pooled_width;
+  const int64_t g_k = grad.stride(0), g_c = grad.stride(1);
+  const int64_t g_h = grad.stride(2), g_w = grad.stride(3);
+  const scalar_t* g = grad.const_data_ptr<scalar_t>();
+  const int32_t* arg = argmax.const_data_ptr<int32_t>();
+  scalar_t* gi = grad_input.data_ptr<scalar_t>();
+
+  // RoIs of each image, in RoI order (a stable counting sort).
+  const int64_t k_total = static_cast<int64_t>(roi_batch.size());
+  std::vector<int64_t> first(batch + 1, 0);
+  for (int64_t b : roi_batch) ++first[b + 1];
+  for (int64_t b = 0; b < batch; ++b) first[b + 1] += first[b];
+  std::vector<int64_t> by_image(k_total);
+  {
+    std::vector<int64_t> fill(first.begin(), first.end() - 1);
+    for (int64_t k = 0; k < k_total; ++k) by_image[fill[roi_batch[k]]++] = k;
+  }
+
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, plane_size));
+  at::parallel_for(0, batch * channels, grain, [&](int64_t p0, int64_t p1) {
+    std::vector<acc_t> acc(plane_size);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / channels, c = p % channels;
+      if (first[b] == first[b + 1]) continue;  // no RoI on this image: stays zero
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t q = first[b]; q < first[b + 1]; ++q) {
+        const int64_t k = by_image[q];
+        const int32_t* a = arg + (k * channels + c) * bins;
+        const scalar_t* gk = g + k * g_k + c * g_c;
+        for (int64_t ph = 0; ph < pooled_height; ++ph) {
+          for (int64_t pw = 0; pw < pooled_width; ++pw) {
+            const int32_t idx = a[ph * pooled_width + pw];
+            if (idx >= 0) acc[idx] += static_cast<acc_t>(gk[ph * g_h + pw * g_w]);
+          }
+        }
+      }
+      scalar_t* dst = gi + p * plane_size;
+      for (int64_t j = 0; j < plane_size; ++j) dst[j] = static_cast<scalar_t>(acc[j]);
+    }
+  });
+}
+
+at::Tensor roi_pool_backward_cpu(
+    const at::Tensor& grad, const at::Tensor& rois_in, const at::Tensor& argmax_in,
+    double spatial_scale, int64_t pooled_height, int64_t pooled_width, int64_t batch_size,
+    int64_t channels, int64_t height, int64_t width) {
+  const char* op = "detops.roi_pool backward";
+  checks::check_roi_pool_backward_inputs(
+      grad, rois_in, argmax_in, spatial_scale, pooled_height, pooled_width, batch_size, channels,
+      height, width);
+  checks::check_device(op, "grad", grad, at::kCPU);
+  at::Tensor grad_input = at::zeros({batch_size, channels, height, width}, grad.options());
+  if (grad.numel() == 0 || grad_input.numel() == 0) return grad_input;
+  const at::Tensor rois = rois_in.contiguous();
+  const at::Tensor argmax = argmax_in.contiguous();
+  {
+    const auto range = at::aminmax(argmax);
+    const int64_t lo = std::get<0>(range).item<int32_t>();
+    const int64_t hi = std::get<1>(range).item<int32_t>();
+    TORCH_CHECK(
+        lo >= -1 && hi < height * width, op, ": argmax must hold -1 or indices in [0, H * W = ",
+        height * width, "), got values in [", lo, ", ", hi, "]");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, grad.scalar_type(), "detops.roi_pool_backward", [&] {
+    const std::vector<int64_t> roi_batch = batch_indices<scalar_t>(op, rois, batch_size);
+    roi_pool_backward_typed<scalar_t>(
+        grad, roi_batch, argmax, pooled_height, pooled_width, grad_input);
+  });
+  return grad_input;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(detops, CPU, m) {
+  m.impl("roi_pool", TORCH_FN(roi_pool_forward_cpu));
+  m.impl("_roi_pool_backward", TORCH_FN(roi_pool_backward_cpu));
+}
+
+}  // namespace ops
+}  // namespace detops

@@ -1,0 +1,144 @@
+"""RoIPool (max pooling over RoI bins): `roi_pool` and the `RoIPool` module, torchvision's
+semantics (Fast R-CNN).
+
+Each RoI is scaled by `spatial_scale` and rounded to whole pixels (half away from zero); its
+(end - start + 1) x (end - start + 1) extent is cut into a PH x PW grid of integer bins, and
+each output value is the maximum of its bin (the first one in row-major order on ties). Bins
+that fall outside the feature map are empty: their output is 0 and they pass no gradient.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ._utils import boxes_to_rois, pair
+
+__all__ = ["roi_pool", "RoIPool"]
+
+_OP = "detops.roi_pool"
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    input, rois, spatial_scale, pooled_height, pooled_width = inputs
+    _, argmax = output
+    ctx.save_for_backward(rois, argmax)
+    ctx.mark_non_differentiable(argmax)
+    ctx.spatial_scale = spatial_scale
+    ctx.pooled_size = (pooled_height, pooled_width)
+    ctx.input_shape = tuple(input.shape)
+    ctx.input_dtype = input.dtype
+
+
+def _backward(ctx, grad_output: Tensor, grad_argmax: Tensor):
+    rois, argmax = ctx.saved_tensors
+    b, c, h, w = ctx.input_shape
+    # Under autocast the op ran in float32 on casts of the arguments (the Function saw the
+    # original ones): the gradient is taken in the RoIs' dtype and returned in the input's.
+    grad_input = torch.ops.detops._roi_pool_backward(
+        grad_output.to(rois.dtype), rois, argmax, ctx.spatial_scale, *ctx.pooled_size, b, c, h, w
+    )
+    return grad_input.to(ctx.input_dtype), None, None, None, None
+
+
+torch.library.register_autograd("detops::roi_pool", _backward, setup_context=_setup_context)
+
+
+class _RoIPoolFunction(torch.autograd.Function):
+    """Autograd Function over the dispatcher ops (maskrcnn-benchmark's `_ROIPool`); the same
+    context and backward helpers serve the op's own autograd registration."""
+
+    @staticmethod
+    def forward(input: Tensor, rois: Tensor, spatial_scale: float, pooled_height: int, pooled_width: int):
+        return torch.ops.detops.roi_pool(input, rois, spatial_scale, pooled_height, pooled_width)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor, grad_argmax: Tensor):
+        return _backward(ctx, grad_output, grad_argmax)
+
+
+def roi_pool(
+    input: Tensor,
+    boxes: Union[Tensor, List[Tensor]],
+    output_size: Union[int, Sequence[int]],
+    spatial_scale: float = 1.0,
+) -> Tensor:
+    """Max pooling of `input` over a PH x PW grid of bins in each RoI.
+
+    Args:
+        input (Tensor[B, C, H, W]): feature map, float32, float64, float16 or bfloat16; any
+            memory layout (channels_last included).
+        boxes (Tensor[K, 5] or list of Tensor[L, 4]): RoIs (batch index, x1, y1, x2, y2) in
+            input-image coordinates, the same dtype and device as `input`; or one [L, 4]
+            (x1, y1, x2, y2) tensor per image. Batch indices must be integers in [0, B).
+        output_size (int or (int, int)): (PH, PW), both > 0.
+        spatial_scale (float): factor from box coordinates to `input` pixels, e.g. 1/16 for a
+            stride-16 feature map; finite and > 0.
+
+    Returns:
+        Tensor[K, C, PH, PW]: the maximum of each bin, 0 for an empty bin, in `input`'s dtype.
+    """
+    rois = boxes_to_rois(boxes, _OP)
+    ph, pw = pair(output_size, _OP)
+    output, _ = _RoIPoolFunction.apply(input, rois, float(spatial_scale), ph, pw)
+    return output
+
+
+class RoIPool(nn.Module):
+    """`roi_pool` as a module: RoIPool(output_size, spatial_scale)(input, boxes) -> Tensor[K, C, PH, PW]."""
+
+    def __init__(self, output_size: Union[int, Sequence[int]], spatial_scale: float) -> None:
+        super().__init__()
+        self.output_size: Tuple[int, int] = pair(output_size, _OP)
+        self.spatial_scale = float(spatial_scale)
+
+    def forward(self, input: Tensor, rois: Union[Tensor, List[Tensor]]) -> Tensor:
+        return roi_pool(input, rois, self.output_size, self.spatial_scale)
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(output_size={self.output_size}, spatial_scale={self.spatial_scale})"
+
+
+@torch.library.register_fake("detops::roi_pool")
+def _roi_pool_fake(input: Tensor, rois: Tensor, spatial_scale: float, pooled_height, pooled_width):
+    torch._check(input.dim() == 4, lambda: f"{_OP}: input must be a [B, C, H, W] tensor, got {list(input.shape)}")
+    torch._check(
+        rois.dim() == 2 and rois.size(1) == 5, lambda: f"{_OP}: rois must be a [K, 5] tensor, got {list(rois.shape)}"
+    )
+    torch._check(input.dtype == rois.dtype, lambda: f"{_OP}: input and rois must have the same dtype")
+    torch._check(
+        input.device == rois.device,
+        lambda: f"{_OP}: input and rois must be on the same device, got {input.device} and {rois.device}",
+    )
+    torch._check(
+        pooled_height > 0 and pooled_width > 0, lambda: f"{_OP}: pooled_height and pooled_width must be positive"
+    )
+    shape = (rois.size(0), input.size(1), pooled_height, pooled_width)
+    return input.new_empty(shape), input.new_empty(shape, dtype=torch.int32)
+
+
+@torch.library.register_fake("detops::_roi_pool_backward")
+def _roi_pool_backward_fake(
+    grad: Tensor,
+    rois: Tensor,
+    argmax: Tensor,
+    spatial_scale: float,
+    pooled_height,
+    pooled_width,
+    batch_size,
+    channels,
+    height,
+    width,
+):
+    torch._check(grad.dim() == 4, lambda: f"{_OP} backward: grad must be a [K, C, PH, PW] tensor")
+    torch._check(argmax.dtype == torch.int32, lambda: f"{_OP} backward: argmax must be an int32 tensor")
+    torch._check(
+        grad.device == rois.device and grad.device == argmax.device,
+        lambda: f"{_OP} backward: grad and argmax must be on the same device, and rois too",
+    )
+    return grad.new_empty((batch_size, channels, height, width))

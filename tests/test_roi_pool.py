@@ -1,0 +1,371 @@
+"""detops.ops.roi_pool against torchvision.ops.roi_pool and the plain-PyTorch reference."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+
+import detops
+from detops.ops import RoIPool, roi_pool
+from detops.reference import roi_pool as ref
+from tests.conftest import DEVICES, cuda_param
+
+op = torch.ops.detops.roi_pool
+op_bwd = torch.ops.detops._roi_pool_backward
+
+
+def random_rois(k, batch, height, width, scale, seed=0, dtype=torch.float32):
+    """RoIs in image coordinates: most inside, some partly or wholly outside, tiny, huge,
+    inverted, and coordinates on .5 rounding boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    ih, iw = height / scale, width / scale
+    xy = torch.rand(k, 2, generator=g) * torch.tensor([iw, ih]) * 1.2 - torch.tensor([iw, ih]) * 0.1
+    wh = torch.rand(k, 2, generator=g) * torch.tensor([iw, ih]) * 0.8
+    boxes = torch.cat([xy, xy + wh], 1)
+    n = k // 8
+    boxes[:n] = torch.tensor([-3 * iw, -3 * ih, -2 * iw, -2 * ih])  # wholly outside
+    boxes[n : 2 * n] = torch.tensor([-iw, -ih, 2 * iw, 2 * ih])  # huge
+    boxes[2 * n : 3 * n, 2:] = boxes[2 * n : 3 * n, :2] + 0.3  # tiny
+    boxes[3 * n : 4 * n] = boxes[3 * n : 4 * n].flip(1)  # inverted
+    # halfway cases of the scaled coordinate (round half away from zero)
+    boxes[4 * n : 5 * n] = (torch.floor(boxes[4 * n : 5 * n] * scale) + 0.5) / scale
+    idx = torch.randint(0, batch, (k, 1), generator=g).float()
+    return torch.cat([idx, boxes], 1).to(dtype)
+
+
+def distinct_input(shape, seed=0, dtype=torch.float32):
+    """Values without ties (a random permutation), so every maximum is unique."""
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    return (torch.randperm(n, generator=g).to(torch.float64) / n - 0.5).view(shape).to(dtype)
+
+
+CASES = [(0.25, (7, 7)), (0.5, (2, 3)), (1.0, (1, 1)), (1.0, (3, 5)), (0.5, (7, 2))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale,size", CASES)
+def test_matches_torchvision_and_reference(dtype, scale, size):
+    x = distinct_input((2, 3, 13, 17), dtype=dtype)
+    rois = random_rois(40, 2, 13, 17, scale, dtype=dtype)
+    out, arg = op(x, rois, scale, *size)
+    tv = torchvision.ops.roi_pool(x, rois, size, scale)
+    assert torch.equal(out, tv)
+    r_out, r_arg = ref.roi_pool(x, rois, scale, *size)
+    assert torch.equal(out, r_out)
+    assert torch.equal(arg, r_arg)
+    assert out.dtype == dtype and arg.dtype == torch.int32
+    assert (arg == -1).any() and (arg >= 0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_precision_matches_reference(dtype):
+    x = distinct_input((2, 4, 11, 9), dtype=torch.float32)
+    rois = random_rois(30, 2, 11, 9, 0.5)
+    xl, rl = x.to(dtype), rois.to(dtype)
+    out, arg = op(xl, rl, 0.5, 3, 4)
+    r_out, r_arg = ref.roi_pool(xl, rl, 0.5, 3, 4)
+    assert out.dtype == dtype
+    assert torch.equal(out, r_out)
+    # rounding to the small dtype can create ties: both take the first in row-major order
+    assert torch.equal(arg, r_arg)
+
+
+def test_rounding_halfway_cases():
+    # 0.5 * scale boundaries: round half away from zero, including negative coordinates
+    x = distinct_input((1, 1, 8, 8), dtype=torch.float64)
+    coords = torch.tensor([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 4.5])
+    rois = torch.stack(
+        [torch.zeros(8), coords, coords.roll(1), coords + 2.0, coords.roll(1) + 3.0], 1
+    ).double()
+    for scale in (1.0, 0.5):
+        out, arg = op(x, rois, scale, 2, 2)
+        assert torch.equal(out, torchvision.ops.roi_pool(x, rois, 2, scale))
+        assert torch.equal(arg, ref.roi_pool(x, rois, scale, 2, 2)[1])
+
+
+def test_list_of_boxes_and_module():
+    x = distinct_input((3, 2, 10, 10))
+    boxes = [torch.tensor([[0.0, 0, 5, 5], [2, 3, 9, 8]]), torch.zeros(0, 4), torch.tensor([[1.0, 1, 4, 9]])]
+    out = roi_pool(x, boxes, 3)
+    assert torch.equal(out, torchvision.ops.roi_pool(x, boxes, 3))
+    m = RoIPool((3, 3), 1.0)
+    assert torch.equal(m(x, boxes), out)
+    assert repr(m) == "RoIPool(output_size=(3, 3), spatial_scale=1.0)"
+    # the image without RoIs gets no gradient
+    xg = x.clone().requires_grad_()
+    roi_pool(xg, boxes, 3).sum().backward()
+    assert xg.grad[1].abs().sum() == 0 and xg.grad[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_backward_matches_torchvision(dtype):
+    x = distinct_input((2, 3, 12, 14), dtype=dtype)
+    rois = random_rois(50, 2, 12, 14, 0.5, seed=1, dtype=dtype)
+    g = torch.randn(50, 3, 4, 3, dtype=dtype)
+    x1 = x.clone().requires_grad_()
+    roi_pool(x1, rois, (4, 3), 0.5).backward(g)
+    x2 = x.clone().requires_grad_()
+    torchvision.ops.roi_pool(x2, rois, (4, 3), 0.5).backward(g)
+    assert torch.equal(x1.grad, x2.grad)
+    _, arg = op(x, rois, 0.5, 4, 3)
+    assert torch.equal(x1.grad, ref.roi_pool_backward(g, rois, arg, 2, 3, 12, 14))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_reduced_precision(dtype):
+    x = distinct_input((2, 3, 9, 9)).to(dtype)
+    rois = random_rois(40, 2, 9, 9, 1.0, seed=2).to(dtype)
+    g = torch.randn(40, 3, 2, 2).to(dtype)
+    _, arg = op(x, rois, 1.0, 2, 2)
+    gi = op_bwd(g, rois, arg, 1.0, 2, 2, 2, 3, 9, 9)
+    assert gi.dtype == dtype
+    assert torch.equal(gi, ref.roi_pool_backward(g, rois, arg, 2, 3, 9, 9))
+
+
+def test_gradcheck():
+    x = distinct_input((2, 2, 7, 8), dtype=torch.float64).requires_grad_()
+    rois = random_rois(12, 2, 7, 8, 1.0, seed=3, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda t: roi_pool(t, rois, (3, 2), 1.0), (x,))
+    assert torch.autograd.gradcheck(lambda t: op(t, rois, 1.0, 3, 2)[0], (x,))
+
+
+def test_channels_last_and_non_contiguous():
+    x = distinct_input((2, 5, 10, 12))
+    rois = random_rois(20, 2, 10, 12, 1.0, seed=4)
+    want, want_arg = op(x, rois, 1.0, 3, 3)
+    cl = x.to(memory_format=torch.channels_last)
+    assert torch.equal(op(cl, rois, 1.0, 3, 3)[0], want)
+    assert torch.equal(op(cl, rois, 1.0, 3, 3)[1], want_arg)
+    nc = distinct_input((2, 12, 5, 10)).permute(0, 2, 3, 1)  # non-contiguous view
+    assert torch.equal(op(nc, rois, 1.0, 3, 3)[0], op(nc.contiguous(), rois, 1.0, 3, 3)[0])
+    rois_nc = torch.cat([rois, rois], 1)[:, :5]
+    assert not rois_nc.is_contiguous()
+    assert torch.equal(op(x, rois_nc, 1.0, 3, 3)[0], want)
+    # non-contiguous (expanded) gradient
+    xg = cl.clone().requires_grad_()
+    op(xg, rois, 1.0, 3, 3)[0].sum().backward()
+    x2 = x.clone().requires_grad_()
+    torchvision.ops.roi_pool(x2, rois, 3, 1.0).sum().backward()
+    assert torch.equal(xg.grad, x2.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty(device):
+    x = torch.randn(2, 3, 5, 5, device=device, requires_grad=True)
+    rois = torch.zeros(0, 5, device=device)
+    out, arg = op(x, rois, 1.0, 2, 2)
+    assert out.shape == (0, 3, 2, 2) and arg.shape == (0, 3, 2, 2) and arg.dtype == torch.int32
+    roi_pool(x, rois, 2).sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    # zero-sized feature map: every bin is empty
+    z = torch.randn(1, 2, 0, 4, device=device)
+    out, arg = op(z, torch.tensor([[0.0, 0, 0, 3, 3]], device=device), 1.0, 2, 2)
+    assert torch.equal(out, torch.zeros(1, 2, 2, 2, device=device)) and (arg == -1).all()
+
+
+def test_opcheck():
+    x = distinct_input((2, 3, 9, 10), dtype=torch.float64).requires_grad_()
+    rois = random_rois(10, 2, 9, 10, 0.5, seed=5, dtype=torch.float64)
+    torch.library.opcheck(op, (x, rois, 0.5, 3, 2))
+    _, arg = op(x.detach(), rois, 0.5, 3, 2)
+    g = torch.randn(10, 3, 3, 2, dtype=torch.float64)
+    torch.library.opcheck(op_bwd, (g, rois, arg, 0.5, 3, 2, 2, 3, 9, 10))
+
+
+def test_compile_fullgraph():
+    x = distinct_input((2, 3, 8, 8))
+    rois = random_rois(6, 2, 8, 8, 1.0, seed=6)
+
+    def f(t, r):
+        return roi_pool(t, r, (2, 2), 1.0).pow(2).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    x1 = x.clone().requires_grad_()
+    compiled(x1, rois).backward()
+    x2 = x.clone().requires_grad_()
+    f(x2, rois).backward()
+    assert torch.equal(x1.grad, x2.grad)
+
+
+def test_autocast_cpu():
+    x = distinct_input((1, 2, 8, 8)).bfloat16()
+    rois = torch.tensor([[0.0, 0, 0, 7, 7], [0, 2, 2, 5, 6]])  # float32 RoIs, bfloat16 features
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = roi_pool(x, rois, 2)
+        out_f, arg = op(x.float(), rois, 1.0, 2, 2)
+        out_x, _ = op(x, rois.bfloat16(), 1.0, 2, 2)
+    assert out.dtype == torch.bfloat16 and out_x.dtype == torch.bfloat16
+    assert out_f.dtype == torch.float32 and arg.dtype == torch.int32
+    assert torch.equal(out, op(x.float(), rois, 1.0, 2, 2)[0].bfloat16())
+    # backward through the Function and through the op's own autograd registration
+    for fn in (lambda t: roi_pool(t, rois, 2), lambda t: op(t, rois, 1.0, 2, 2)[0]):
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(xg)
+        y.float().sum().backward()
+        assert xg.grad.dtype == torch.bfloat16 and xg.grad.sum() == 16  # 2 RoIs x 2 channels x 4 bins
+
+
+BAD = [
+    (lambda x, r: op(x[0], r, 1.0, 2, 2), "input must be a [B, C, H, W] tensor, got [3, 8, 8]"),
+    (lambda x, r: op(x, r[:, :4], 1.0, 2, 2), "rois must be a [K, 5] tensor, got [3, 4]"),
+    (lambda x, r: op(x, r[0], 1.0, 2, 2), "rois must be a [K, 5] tensor, got [5]"),
+    (lambda x, r: op(x.double(), r, 1.0, 2, 2), "input and rois must have the same dtype"),
+    (lambda x, r: op(x.int(), r.int(), 1.0, 2, 2), "input must be a float32, float64"),
+    (lambda x, r: op(x, r, 1.0, 0, 2), "pooled_height and pooled_width must be positive"),
+    (lambda x, r: op(x, r, 1.0, 2, -1), "pooled_height and pooled_width must be positive"),
+    (lambda x, r: op(x, r, 0.0, 2, 2), "spatial_scale must be a finite number > 0"),
+    (lambda x, r: op(x, r, -1.0, 2, 2), "spatial_scale must be a finite number > 0"),
+    (lambda x, r: op(x, r, float("nan"), 2, 2), "spatial_scale must be a finite number > 0"),
+    (lambda x, r: op(x, r, float("inf"), 2, 2), "spatial_scale must be a finite number > 0"),
+    (lambda x, r: op(x, r.index_fill(1, torch.tensor([0]), 2.0), 1.0, 2, 2), "rois[:, 0] must hold batch indices, integers in [0, 2)"),
+    (lambda x, r: op(x, r.index_fill(1, torch.tensor([0]), -1.0), 1.0, 2, 2), "rois[:, 0] must hold batch indices"),
+    (lambda x, r: op(x, r.index_fill(1, torch.tensor([0]), 0.5), 1.0, 2, 2), "rois[:, 0] must hold batch indices"),
+    (lambda x, r: op(x, r.index_fill(1, torch.tensor([0]), float("nan")), 1.0, 2, 2), "rois[:, 0] must hold batch indices"),
+    (lambda x, r: op(x.to("meta"), r, 1.0, 2, 2), "input and rois must be on the same device"),
+]
+
+
+@pytest.mark.parametrize("fn,msg", BAD)
+def test_bad_inputs(fn, msg):
+    x = torch.randn(2, 3, 8, 8)
+    r = torch.tensor([[0.0, 0, 0, 4, 4], [1, 1, 1, 6, 6], [0, 2, 2, 3, 3]])
+    with pytest.raises((RuntimeError, ValueError)) as e:
+        fn(x, r)
+    text = str(e.value)
+    assert "roi_pool" in text and msg in text, text
+
+
+BAD_BACKWARD = [
+    (lambda g, r, a: op_bwd(g[:, :2], r, a, 1.0, 2, 2, 2, 3, 8, 8), "grad must be a [K, C, PH, PW]"),
+    (lambda g, r, a: op_bwd(g, r, a.long(), 1.0, 2, 2, 2, 3, 8, 8), "argmax must be an int32 tensor"),
+    (lambda g, r, a: op_bwd(g, r, a[:2], 1.0, 2, 2, 2, 3, 8, 8), "argmax must be a [K, C, PH, PW]"),
+    (lambda g, r, a: op_bwd(g, r[:, :4], a, 1.0, 2, 2, 2, 3, 8, 8), "rois must be a [K, 5] tensor"),
+    (lambda g, r, a: op_bwd(g.double(), r, a, 1.0, 2, 2, 2, 3, 8, 8), "grad and rois must have the same dtype"),
+    (lambda g, r, a: op_bwd(g, r, a + 100, 1.0, 2, 2, 2, 3, 8, 8), "argmax must hold -1 or indices in [0, H * W = 64)"),
+    (lambda g, r, a: op_bwd(g, r, a, 1.0, 2, 2, 1, 3, 8, 8), "rois[:, 0] must hold batch indices, integers in [0, 1)"),
+    (lambda g, r, a: op_bwd(g, r, a.to("meta"), 1.0, 2, 2, 2, 3, 8, 8), "grad and argmax must be on the same device"),
+]
+
+
+@pytest.mark.parametrize("fn,msg", BAD_BACKWARD)
+def test_bad_backward_inputs(fn, msg):
+    x = torch.randn(2, 3, 8, 8)
+    r = torch.tensor([[0.0, 0, 0, 4, 4], [1, 1, 1, 6, 6], [0, 2, 2, 3, 3]])
+    _, a = op(x, r, 1.0, 2, 2)
+    g = torch.randn(3, 3, 2, 2)
+    with pytest.raises(RuntimeError) as e:
+        fn(g, r, a)
+    assert "roi_pool" in str(e.value) and msg in str(e.value), str(e.value)
+
+
+def test_bad_python_arguments():
+    x = torch.randn(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="roi_pool: output_size"):
+        roi_pool(x, torch.zeros(1, 5), "a")
+    with pytest.raises(ValueError, match=r"roi_pool: boxes\[0\]"):
+        roi_pool(x, [torch.zeros(2, 5)], 2)
+
+
+def test_nan_and_inf_coordinates():
+    x = distinct_input((1, 2, 6, 6))
+    rois = torch.tensor([[0.0, float("nan"), 0, 3, 3], [0, 0, 0, float("inf"), float("inf")], [0, -1e30, -1e30, 1e30, 1e30]])
+    out, arg = op(x, rois, 1.0, 2, 2)
+    assert torch.equal(out[0], torch.zeros(2, 2, 2)) and (arg[0] == -1).all()
+    # coordinates are clamped to +-2^30 pixels: a bin covering the whole map holds its maximum
+    whole = x[0].flatten(1).max(1)
+    assert torch.equal(out[1, :, 0, 0], whole.values) and torch.equal(arg[1, :, 0, 0], whole.indices.int())
+    assert torch.equal(out[2, :, 1, 1], whole.values) and (arg[1:] < 36).all()
+
+
+def test_legacy_entry_points():
+    x = distinct_input((1, 2, 6, 6))
+    rois = torch.tensor([[0.0, 0, 0, 5, 5]])
+    out, arg = detops._C.roi_pool_forward(x, rois, 1.0, 2, 2)
+    g = torch.ones_like(out)
+    gi = detops._C.roi_pool_backward(g, x, rois, arg, 1.0, 2, 2, 1, 2, 6, 6)
+    assert torch.equal(gi, op_bwd(g, rois, arg, 1.0, 2, 2, 1, 2, 6, 6))
+
+
+# ----------------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale,size", CASES)
+def test_cuda_matches_cpu(dtype, scale, size):
+    x = distinct_input((2, 3, 13, 17)).to(dtype)
+    rois = random_rois(60, 2, 13, 17, scale).to(dtype)
+    out, arg = op(x, rois, scale, *size)
+    out_c, arg_c = op(x.cuda(), rois.cuda(), scale, *size)
+    assert torch.equal(out_c.cpu(), out) and torch.equal(arg_c.cpu(), arg)
+    out_cl, arg_cl = op(x.cuda().to(memory_format=torch.channels_last), rois.cuda(), scale, *size)
+    assert torch.equal(out_cl.cpu(), out) and torch.equal(arg_cl.cpu(), arg)
+    g = torch.randn(out.shape).to(dtype)
+    gi = op_bwd(g, rois, arg, scale, *size, 2, 3, 13, 17)
+    gi_c = op_bwd(g.cuda(), rois.cuda(), arg_c, scale, *size, 2, 3, 13, 17)
+    tol = {torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(dtype, 1e-5)
+    torch.testing.assert_close(gi_c.cpu(), gi, atol=tol, rtol=tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_cuda_deterministic_backward(dtype):
+    # many overlapping RoIs so that pixels collect many contributions
+    x = distinct_input((2, 16, 32, 32)).to(dtype).cuda()
+    rois = random_rois(300, 2, 32, 32, 0.5, seed=7).to(dtype).cuda()
+    out, arg = op(x, rois, 0.5, 7, 7)
+    g = torch.randn(out.shape, device="cuda").to(dtype)
+    g_nc = torch.randn(out.shape[::-1], device="cuda").to(dtype).permute(3, 2, 1, 0)
+    atomic = op_bwd(g, rois, arg, 0.5, 7, 7, 2, 16, 32, 32)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [op_bwd(g, rois, arg, 0.5, 7, 7, 2, 16, 32, 32) for _ in range(3)]
+        runs_nc = [op_bwd(g_nc, rois, arg, 0.5, 7, 7, 2, 16, 32, 32) for _ in range(2)]
+        xg = x.clone().requires_grad_()
+        roi_pool(xg, rois, 7, 0.5).backward(g)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    for r in runs[1:]:
+        assert torch.equal(r, runs[0])
+    assert torch.equal(runs_nc[0], runs_nc[1])
+    assert torch.equal(xg.grad, runs[0])
+    # same summation order as the CPU kernel
+    cpu = op_bwd(g.cpu(), rois.cpu(), arg.cpu(), 0.5, 7, 7, 2, 16, 32, 32)
+    assert torch.equal(runs[0].cpu(), cpu)
+    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1}.get(dtype, 1e-5)
+    torch.testing.assert_close(runs[0], atomic, atol=tol, rtol=tol)
+
+
+@pytest.mark.cuda
+def test_cuda_invalid_batch_index_asserts():
+    # a device-side assertion poisons the CUDA context, so it fires in a child process
+    code = (
+        "import torch, detops\n"
+        "x = torch.randn(2, 3, 8, 8, device='cuda')\n"
+        "rois = torch.tensor([[5.0, 0, 0, 4, 4]], device='cuda')\n"
+        "torch.ops.detops.roi_pool(x, rois, 1.0, 2, 2)\n"
+        "torch.cuda.synchronize()\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "assert" in done.stderr.lower(), done.stderr
+
+
+@pytest.mark.cuda
+def test_cuda_autocast_and_compile():
+    x = distinct_input((2, 3, 10, 10)).cuda().half()
+    rois = random_rois(8, 2, 10, 10, 1.0).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = roi_pool(x, rois, 3)
+    assert out.dtype == torch.float16
+    assert torch.equal(out, op(x.float(), rois, 1.0, 3, 3)[0].half())
+    f = torch.compile(lambda t, r: roi_pool(t, r, (3, 3), 1.0), fullgraph=True)
+    xf = x.float()
+    assert torch.equal(f(xf, rois), roi_pool(xf, rois, 3))
