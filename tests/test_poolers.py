@@ -21,7 +21,7 @@ def fpn_inputs(device, dtype=torch.float32, batch=2, channels=8, image=(256, 320
     for i, k in enumerate(per_image):
         r = random_rois(k, 1, h, w, seed=seed + i)[:, 1:]
         # a spread of sizes, from a few pixels to most of the image, so every level is used
-        scale = torch.logspace(-2.5, 0, k, generator=None)[torch.randperm(k, generator=g)][:, None]
+        scale = torch.logspace(-2.5, 0, k)[torch.randperm(k, generator=g)][:, None]
         c = (r[:, :2] + r[:, 2:]) / 2
         half = (r[:, 2:] - r[:, :2]) / 2 * scale * 4
         boxes.append(torch.cat([c - half, c + half], 1).to(device, dtype))
