@@ -109,6 +109,9 @@ def get_extensions():
     sources += glob.glob(os.path.join(csrc, "autocast", "*.cpp"))
     debug = env_flag("DETOPS_DEBUG")
     cxx = ["-O0", "-g"] if debug else ["-O3"]
+    # at::parallel_for is an inline OpenMP template: without -fopenmp it runs on one thread.
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info() else []
+    cxx += openmp
     define_macros = [("DETOPS_WITH_PYTHON", None)]
     extra = {"cxx": cxx}
     if with_cuda:
@@ -130,6 +133,7 @@ def get_extensions():
             include_dirs=[os.path.join(ROOT, csrc)],
             define_macros=define_macros,
             extra_compile_args=extra,
+            extra_link_args=openmp,
         )
     ]
 

@@ -51,7 +51,7 @@ inline void check_same_dtype(
 
 inline void check_device(const char* op, const char* arg, const at::Tensor& t, at::DeviceType d) {
   TORCH_CHECK(
-      t.device().type() == d, op, ": ", arg, " must be a ", c10::DeviceTypeName(d, true),
+      t.device().type() == d, op, ": ", arg, " must be a ", c10::DeviceTypeName(d, /*lower_case=*/false),
       " tensor, got one on ", t.device());
 }
 
