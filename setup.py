@@ -110,7 +110,13 @@ def get_extensions():
     debug = env_flag("DETOPS_DEBUG")
     cxx = ["-O0", "-g"] if debug else ["-O3"]
     # at::parallel_for is an inline OpenMP template: without -fopenmp it runs on one thread.
-    openmp = ["-fopenmp"] if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info() else []
+    openmp = (
+        ["-fopenmp"]
+        if sys.platform.startswith("linux")
+        and "OpenMP" in torch.__config__.parallel_info()
+        and not env_flag("DETOPS_NO_OPENMP")
+        else []
+    )
     cxx += openmp
     define_macros = [("DETOPS_WITH_PYTHON", None)]
     extra = {"cxx": cxx}
