@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "common/checks.h"
 #include "detops.h"
 
 #ifdef DETOPS_WITH_PYTHON
@@ -48,7 +49,7 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/)
   std::string name = op.schema().name();
   const auto sep = name.find("::");
   if (sep != std::string::npos) name = "detops." + name.substr(sep + 2);
-  TORCH_CHECK(
+  DETOPS_CHECK(
       false, name, ": got CUDA tensors, but this detops._C was built without CUDA kernels "
       "(against torch ", DETOPS_TORCH_VERSION, ", CPU only). Rebuild it with nvcc on the PATH "
       "and a CUDA build of torch: FORCE_CUDA=1 pip install -e . --no-build-isolation");

@@ -6,20 +6,59 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
-#include <sstream>
+#include <cstdio>
 #include <string>
+#include <type_traits>
+
+// TORCH_CHECK with a message built by detops::checks::message (see below).
+#define DETOPS_CHECK(cond, ...) TORCH_CHECK((cond), ::detops::checks::message(__VA_ARGS__))
 
 namespace detops {
 namespace checks {
 
-inline std::string shape_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << "[";
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    os << (i ? ", " : "") << t.size(i);
+// Error messages are assembled here rather than by streaming numbers into an ostream: with some
+// pairings of a torch wheel and the system's libstdc++ (seen with torch 2.11 on Ubuntu 24.04),
+// formatting a number through std::ostream inside an extension crashes the process. Numbers
+// go through std::to_string / snprintf; strings, dtypes and devices are appended as text.
+inline void append(std::string& out, const char* s) { out += s; }
+inline void append(std::string& out, const std::string& s) { out += s; }
+inline void append(std::string& out, char c) { out += c; }
+inline void append(std::string& out, bool b) { out += b ? "true" : "false"; }
+inline void append(std::string& out, at::ScalarType t) { out += c10::toString(t); }
+inline void append(std::string& out, const c10::Device& d) { out += d.str(); }
+inline void append(std::string& out, c10::DeviceType d) { out += c10::DeviceTypeName(d, false); }
+template <typename T>
+inline std::enable_if_t<std::is_integral<T>::value && !std::is_same<T, bool>::value && !std::is_same<T, char>::value>
+append(std::string& out, T v) {
+  out += std::to_string(v);
+}
+template <typename T>
+inline std::enable_if_t<std::is_floating_point<T>::value> append(std::string& out, T v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(v));
+  out += buf;
+}
+
+inline void append(std::string& out, at::IntArrayRef sizes) {
+  out += "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(sizes[i]);
   }
-  os << "]";
-  return os.str();
+  out += "]";
+}
+
+template <typename... Args>
+inline std::string message(const Args&... args) {
+  std::string out;
+  (append(out, args), ...);
+  return out;
+}
+
+inline std::string shape_str(const at::Tensor& t) {
+  std::string out;
+  append(out, t.sizes());
+  return out;
 }
 
 inline bool is_supported_float(at::ScalarType t) {
@@ -27,7 +66,7 @@ inline bool is_supported_float(at::ScalarType t) {
 }
 
 inline void check_float_tensor(const char* op, const char* arg, const at::Tensor& t) {
-  TORCH_CHECK(
+  DETOPS_CHECK(
       is_supported_float(t.scalar_type()),
       op, ": ", arg, " must be a float32, float64, float16 or bfloat16 tensor, got ",
       t.scalar_type());
@@ -36,7 +75,7 @@ inline void check_float_tensor(const char* op, const char* arg, const at::Tensor
 inline void check_same_device(
     const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b,
     const at::Tensor& b) {
-  TORCH_CHECK(
+  DETOPS_CHECK(
       a.device() == b.device(), op, ": ", arg_a, " and ", arg_b,
       " must be on the same device, got ", a.device(), " and ", b.device());
 }
@@ -44,31 +83,31 @@ inline void check_same_device(
 inline void check_same_dtype(
     const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b,
     const at::Tensor& b) {
-  TORCH_CHECK(
+  DETOPS_CHECK(
       a.scalar_type() == b.scalar_type(), op, ": ", arg_a, " and ", arg_b,
       " must have the same dtype, got ", a.scalar_type(), " and ", b.scalar_type());
 }
 
 inline void check_device(const char* op, const char* arg, const at::Tensor& t, at::DeviceType d) {
-  TORCH_CHECK(
+  DETOPS_CHECK(
       t.device().type() == d, op, ": ", arg, " must be a ", c10::DeviceTypeName(d, /*lower_case=*/false),
       " tensor, got one on ", t.device());
 }
 
 inline void check_finite(const char* op, const char* arg, double v) {
-  TORCH_CHECK(std::isfinite(v), op, ": ", arg, " must be a finite number, got ", v);
+  DETOPS_CHECK(std::isfinite(v), op, ": ", arg, " must be a finite number, got ", v);
 }
 
 // boxes [N, 4], scores [N] (and idxs [N] of an integer dtype), one device, one float dtype.
 inline void check_nms_inputs(
     const char* op, const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor* idxs,
     double iou_threshold) {
-  TORCH_CHECK(
+  DETOPS_CHECK(
       boxes.dim() == 2 && boxes.size(1) == 4, op, ": boxes must be a [N, 4] tensor, got ",
       shape_str(boxes));
-  TORCH_CHECK(
+  DETOPS_CHECK(
       scores.dim() == 1, op, ": scores must be a [N] tensor, got ", shape_str(scores));
-  TORCH_CHECK(
+  DETOPS_CHECK(
       scores.size(0) == boxes.size(0), op,
       ": boxes and scores must have the same number of entries, got boxes ",
       shape_str(boxes), " and scores ", shape_str(scores));
@@ -76,12 +115,12 @@ inline void check_nms_inputs(
   check_float_tensor(op, "scores", scores);
   check_same_device(op, "boxes", boxes, "scores", scores);
   if (idxs != nullptr) {
-    TORCH_CHECK(idxs->dim() == 1, op, ": idxs must be a [N] tensor, got ", shape_str(*idxs));
-    TORCH_CHECK(
+    DETOPS_CHECK(idxs->dim() == 1, op, ": idxs must be a [N] tensor, got ", shape_str(*idxs));
+    DETOPS_CHECK(
         idxs->size(0) == boxes.size(0), op,
         ": boxes and idxs must have the same number of entries, got boxes ", shape_str(boxes),
         " and idxs ", shape_str(*idxs));
-    TORCH_CHECK(
+    DETOPS_CHECK(
         at::isIntegralType(idxs->scalar_type(), /*includeBool=*/false), op,
         ": idxs must be an integer tensor, got ", idxs->scalar_type());
     check_same_device(op, "boxes", boxes, "idxs", *idxs);

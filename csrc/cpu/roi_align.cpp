@@ -70,7 +70,7 @@ at::Tensor checked_rois(const char* op, const at::Tensor& rois, int64_t batch_si
   const at::Tensor r = rois.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
   const acc_t* p = r.const_data_ptr<acc_t>();
   for (int64_t k = 0; k < r.size(0); ++k) {
-    TORCH_CHECK(
+    DETOPS_CHECK(
         roi_align::roi_batch_index(p[k * 5], batch_size) >= 0, op, ": rois[", k,
         ", 0] (the batch index) must be an integer in [0, ", batch_size, "), got ", p[k * 5]);
   }

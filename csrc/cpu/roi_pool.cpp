@@ -34,7 +34,7 @@ std::vector<int64_t> batch_indices(const char* op, const at::Tensor& rois, int64
   for (int64_t i = 0; i < k; ++i) {
     const acc_t v = static_cast<acc_t>(r[i * 5]);
     out[i] = geometry::roi_pool_batch_index(v, batch_size);
-    TORCH_CHECK(
+    DETOPS_CHECK(
         out[i] >= 0, op, ": rois[:, 0] must hold batch indices, integers in [0, ", batch_size,
         "), got ", v, " in row ", i);
   }
@@ -103,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(
     int64_t pooled_height, int64_t pooled_width) {
   checks::check_roi_pool_inputs(input, rois_in, spatial_scale, pooled_height, pooled_width);
   checks::check_device("detops.roi_pool", "input", input, at::kCPU);
-  TORCH_CHECK(
+  DETOPS_CHECK(
       input.size(2) * input.size(3) <= std::numeric_limits<int32_t>::max(),
       "detops.roi_pool: input must have H * W < 2^31 (argmax is int32), got ",
       checks::shape_str(input));
@@ -188,7 +188,7 @@ at::Tensor roi_pool_backward_cpu(
     const auto range = at::aminmax(argmax);
     const int64_t lo = std::get<0>(range).item<int32_t>();
     const int64_t hi = std::get<1>(range).item<int32_t>();
-    TORCH_CHECK(
+    DETOPS_CHECK(
         lo >= -1 && hi < height * width, op, ": argmax must hold -1 or indices in [0, H * W = ",
         height * width, "), got values in [", lo, ", ", hi, "]");
   }

@@ -27,7 +27,7 @@ namespace ops {
 namespace {
 
 constexpr int kTile = 64;
-constexpr int kGatherThreads = 512;
+constexpr int kGatherThreads = 1024;
 constexpr int kPrepareThreads = 256;
 constexpr int64_t kMaxSharedWords = 48 * 1024 / 8;
 
@@ -108,10 +108,32 @@ __global__ void nms_mask_kernel(
 }
 
 // The greedy pass, in one block, tile by tile. Warp 0 decides the tile's 64 boxes in registers
-// (diagonal words travel by shuffle); then all threads OR the nonzero mask words of the rows
-// just kept into the suppression words of later tiles. One barrier pair per tile.
+// (diagonal words travel by shuffle, and only rows with a nonzero diagonal word can suppress
+// anything); then all threads OR the mask words of the rows just kept into the suppression
+// words of later tiles. One barrier pair per tile. Warp 0 loads the next tile's diagonal words
+// while the other threads push, so that latency is hidden.
 // Plain NMS (rank == nullptr: positions are ranks) writes the kept original indices in order to
 // `out` and their number to `count`; batched NMS marks kept_by_rank instead.
+struct TileWords {
+  uint64_t d0, d1;     // diagonal words of rows base + lane and base + lane + 32
+  uint64_t valid;      // rows that exist and have a score that is a number
+};
+
+__device__ __forceinline__ TileWords load_tile(
+    int64_t blk, int64_t n, int64_t col_blocks, const uint64_t* __restrict__ mask,
+    const bool* __restrict__ valid, int lane) {
+  const int64_t r0 = blk * kTile + lane, r1 = r0 + 32;
+  TileWords t;
+  t.d0 = r0 < n ? mask[r0 * col_blocks + blk] : 0;
+  t.d1 = r1 < n ? mask[r1 * col_blocks + blk] : 0;
+  const uint32_t v0 = __ballot_sync(0xffffffffu, r0 < n && valid[r0]);
+  const uint32_t v1 = __ballot_sync(0xffffffffu, r1 < n && valid[r1]);
+  t.valid = static_cast<uint64_t>(v0) | (static_cast<uint64_t>(v1) << 32);
+  return t;
+}
+
+constexpr int kPushUnroll = 4;
+
 template <bool kSharedWords>
 __global__ void __launch_bounds__(kGatherThreads) nms_gather_kernel(
     int64_t n, int64_t col_blocks, int64_t summary_words, const uint64_t* __restrict__ mask,
@@ -124,33 +146,37 @@ __global__ void __launch_bounds__(kGatherThreads) nms_gather_kernel(
   __shared__ uint64_t kept_word;
   __shared__ int kept_rows[kTile];
   for (int64_t j = threadIdx.x; j < col_blocks; j += blockDim.x) removed[j] = 0;
-  __syncthreads();
 
   const int lane = threadIdx.x & 31;
+  const bool warp0 = threadIdx.x < 32;
+  TileWords next{};
+  if (warp0) next = load_tile(0, n, col_blocks, mask, valid, lane);
+  __syncthreads();
+
   int64_t total = 0;  // kept so far (warp 0)
   for (int64_t blk = 0; blk < col_blocks; ++blk) {
     const int64_t base = blk * kTile;
-    if (threadIdx.x < 32) {
-      const int64_t r0 = base + lane, r1 = base + lane + 32;
-      const uint64_t d0 = r0 < n ? mask[r0 * col_blocks + blk] : 0;
-      const uint64_t d1 = r1 < n ? mask[r1 * col_blocks + blk] : 0;
-      const uint32_t v0 = __ballot_sync(0xffffffffu, r0 < n && valid[r0]);
-      const uint32_t v1 = __ballot_sync(0xffffffffu, r1 < n && valid[r1]);
-      const uint64_t valid_bits = static_cast<uint64_t>(v0) | (static_cast<uint64_t>(v1) << 32);
-      uint64_t rem = removed[blk];
-      uint64_t kept = 0;
-      uint64_t cand = valid_bits & ~rem;
-      while (cand) {
-        const int bit = __ffsll(static_cast<long long>(cand)) - 1;
-        kept |= 1ULL << bit;
-        rem |= __shfl_sync(0xffffffffu, bit < 32 ? d0 : d1, bit & 31);
-        cand = valid_bits & ~rem & ((~0ULL << bit) << 1);  // later boxes of the tile only
+    if (warp0) {
+      const TileWords cur = next;
+      const uint64_t nonzero = static_cast<uint64_t>(__ballot_sync(0xffffffffu, cur.d0 != 0)) |
+                               (static_cast<uint64_t>(__ballot_sync(0xffffffffu, cur.d1 != 0)) << 32);
+      uint64_t alive = cur.valid & ~static_cast<uint64_t>(removed[blk]);
+      // Rows are upper-triangular: row b only clears bits above b, so visiting the alive rows
+      // with a nonzero word in increasing order decides the tile.
+      uint64_t todo = alive & nonzero;
+      while (todo) {
+        const int bit = __ffsll(static_cast<long long>(todo)) - 1;
+        const uint64_t row = __shfl_sync(0xffffffffu, bit < 32 ? cur.d0 : cur.d1, bit & 31);
+        alive &= ~row;
+        todo &= ~row & (todo - 1);
       }
-      // list of kept rows for the push, and the output
+      const uint64_t kept = alive;
+      if (blk + 1 < col_blocks) next = load_tile(blk + 1, n, col_blocks, mask, valid, lane);
+
+      const int64_t r0 = base + lane, r1 = r0 + 32;
       const bool k0 = (kept >> lane) & 1ULL, k1 = (kept >> (lane + 32)) & 1ULL;
-      const uint64_t below0 = kept & ((1ULL << lane) - 1);
-      const uint64_t below1 = kept & ((1ULL << (lane + 32)) - 1);
-      const int i0 = __popcll(below0), i1 = __popcll(below1);
+      const int i0 = __popcll(kept & ((1ULL << lane) - 1));
+      const int i1 = __popcll(kept & ((1ULL << (lane + 32)) - 1));
       if (k0) kept_rows[i0] = lane;
       if (k1) kept_rows[i1] = lane + 32;
       if (rank) {
@@ -164,21 +190,62 @@ __global__ void __launch_bounds__(kGatherThreads) nms_gather_kernel(
       if (lane == 0) kept_word = kept;
     }
     __syncthreads();
-    const uint64_t kept = kept_word;
-    const int nk = __popcll(kept);
-    const int64_t first_word = (blk + 1) / 64;
-    const int64_t words = summary_words - first_word;
-    if (nk && words > 0) {
-      for (int64_t item = threadIdx.x; item < nk * words; item += blockDim.x) {
-        const int64_t row = base + kept_rows[item / words];
-        const int64_t w = first_word + item % words;
-        unsigned long long s = summary[row * summary_words + w];
-        if (w * 64 <= blk) s &= (~0ULL << (blk - w * 64)) << 1;  // tiles after blk only
-        while (s) {
-          const int bit = __ffsll(static_cast<long long>(s)) - 1;
-          s &= s - 1;
-          const int64_t j = w * 64 + bit;
-          atomicOr(removed + j, static_cast<unsigned long long>(mask[row * col_blocks + j]));
+    const int nk = __popcll(kept_word);
+    const int64_t later = col_blocks - blk - 1;  // tiles after this one
+    if (nk && later > 0) {
+      if (rank == nullptr && static_cast<int64_t>(nk) * later <= int64_t{kPushUnroll} * blockDim.x) {
+        // Few words: read them directly, all loads in flight at once. (Plain NMS only: batched
+        // NMS leaves the tiles between unrelated categories unwritten.)
+        const int64_t items = static_cast<int64_t>(nk) * later;
+        for (int64_t item0 = threadIdx.x; item0 < items; item0 += int64_t{kPushUnroll} * blockDim.x) {
+          uint64_t v[kPushUnroll];
+          int64_t js[kPushUnroll];
+#pragma unroll
+          for (int u = 0; u < kPushUnroll; ++u) {
+            const int64_t item = item0 + static_cast<int64_t>(u) * blockDim.x;
+            js[u] = -1;
+            v[u] = 0;
+            if (item < items) {
+              const int64_t row = base + kept_rows[item / later];
+              js[u] = blk + 1 + item % later;
+              v[u] = mask[row * col_blocks + js[u]];
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < kPushUnroll; ++u) {
+            if (v[u]) atomicOr(removed + js[u], static_cast<unsigned long long>(v[u]));
+          }
+        }
+      } else {
+        // Many words: the row summaries name the nonzero ones.
+        const int64_t first_word = (blk + 1) / 64;
+        const int64_t words = summary_words - first_word;
+        const int64_t items = static_cast<int64_t>(nk) * words;
+        for (int64_t item0 = threadIdx.x; item0 < items; item0 += int64_t{kPushUnroll} * blockDim.x) {
+          unsigned long long sw[kPushUnroll];
+          int64_t rows[kPushUnroll], ws[kPushUnroll];
+#pragma unroll
+          for (int u = 0; u < kPushUnroll; ++u) {
+            const int64_t item = item0 + static_cast<int64_t>(u) * blockDim.x;
+            sw[u] = 0;
+            rows[u] = 0;
+            ws[u] = 0;
+            if (item < items) {
+              rows[u] = base + kept_rows[item / words];
+              ws[u] = first_word + item % words;
+              sw[u] = summary[rows[u] * summary_words + ws[u]];
+              if (ws[u] * 64 <= blk) sw[u] &= (~0ULL << (blk - ws[u] * 64)) << 1;  // after blk only
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < kPushUnroll; ++u) {
+            while (sw[u]) {
+              const int bit = __ffsll(static_cast<long long>(sw[u])) - 1;
+              sw[u] &= sw[u] - 1;
+              const int64_t j = ws[u] * 64 + bit;
+              atomicOr(removed + j, static_cast<unsigned long long>(mask[rows[u] * col_blocks + j]));
+            }
+          }
         }
       }
     }
@@ -193,7 +260,7 @@ at::Tensor nms_cuda_impl(
   checks::check_nms_inputs(op, boxes, scores, idxs, iou_threshold);
   checks::check_device(op, "boxes", boxes, at::kCUDA);
   const int64_t n = boxes.size(0);
-  TORCH_CHECK(
+  DETOPS_CHECK(
       (n + kTile - 1) / kTile <= 65535, op, ": too many boxes for one call (at most ",
       int64_t{65535} * kTile, "), got ", n);
   c10::cuda::CUDAGuard guard(boxes.device());

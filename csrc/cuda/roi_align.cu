@@ -300,13 +300,13 @@ void backward_deterministic(
   int64_t per_roi = 0, total = 0;
   if (sampling_ratio > 0) {
     const double n = static_cast<double>(num_rois) * bins * sampling_ratio * sampling_ratio * 4;
-    TORCH_CHECK(
+    DETOPS_CHECK(
         n <= static_cast<double>(kMaxContributions), kBackwardOp,
         ": too many samples for the deterministic backward (", n, " contributions)");
     per_roi = bins * sampling_ratio * sampling_ratio * 4;
     total = num_rois * per_roi;
   } else {
-    TORCH_CHECK(
+    DETOPS_CHECK(
         num_rois < (int64_t{1} << 22), kBackwardOp,
         ": the deterministic backward with an adaptive grid takes at most 2^22 RoIs, got ",
         num_rois);
@@ -319,7 +319,7 @@ void backward_deterministic(
     const at::Tensor ends = counts.cumsum(0);
     first = ends - counts;
     total = ends[-1].item<int64_t>();  // the one host sync: it sizes the list
-    TORCH_CHECK(
+    DETOPS_CHECK(
         total < kMaxContributions, kBackwardOp,
         ": too many samples for the deterministic backward (", total, " contributions)");
   }

@@ -169,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
     int64_t pooled_height, int64_t pooled_width) {
   checks::check_roi_pool_inputs(input, rois_in, spatial_scale, pooled_height, pooled_width);
   checks::check_device("detops.roi_pool", "input", input, at::kCUDA);
-  TORCH_CHECK(
+  DETOPS_CHECK(
       input.size(2) * input.size(3) <= std::numeric_limits<int32_t>::max(),
       "detops.roi_pool: input must have H * W < 2^31 (argmax is int32), got ",
       checks::shape_str(input));
