@@ -10,6 +10,11 @@ from detops.testing import random_rois
 from tests.conftest import DEVICES
 
 
+# CUDA kernels contract sample coordinates with fused multiply-adds: float32 rounding of
+# coordinates in the hundreds moves bilinear weights by ~1e-5.
+TOL = {"cpu": dict(rtol=1e-5, atol=1e-5), "cuda": dict(rtol=1e-4, atol=1e-4)}
+
+
 def fpn_inputs(device, dtype=torch.float32, batch=2, channels=8, image=(256, 320), per_image=(40, 25), seed=0):
     g = torch.Generator().manual_seed(seed)
     h, w = image
@@ -38,7 +43,7 @@ def test_matches_torchvision(device, output_size, sampling_ratio):
         {k: v.cpu() for k, v in feats.items()}, [b.cpu() for b in boxes], shapes
     )
     assert ours.shape == theirs.shape
-    torch.testing.assert_close(ours.cpu(), theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.cpu(), theirs, **TOL[device])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -49,7 +54,7 @@ def test_single_level_and_subset(device):
         theirs = torchvision.ops.MultiScaleRoIAlign(names, 7, 2)(
             {k: v.cpu() for k, v in feats.items()}, [b.cpu() for b in boxes], shapes
         )
-        torch.testing.assert_close(ours.cpu(), theirs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.cpu(), theirs, **TOL[device])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -169,7 +169,9 @@ def test_layouts(device):
         out.sum().backward()
         xc = x.detach().requires_grad_()
         roi_align(xc, rois, 3, 0.5, 2, False).sum().backward()
-        torch.testing.assert_close(xi.grad, xc.grad, atol=0, rtol=0)
+        # the CUDA backward adds with atomics: the order, hence the last bit, may differ
+        tol = 0 if device == "cpu" else 1e-6
+        torch.testing.assert_close(xi.grad, xc.grad, atol=tol, rtol=tol)
     # a non-contiguous grad
     xg = x.detach().requires_grad_()
     out = roi_align(xg, rois, 3, 0.5, 2, False)
