@@ -1,6 +1,9 @@
 // RoIAlign forward and backward on CUDA.
 //
-// forward: one thread per output element (RoI, channel, bin) sums the bin's samples.
+// forward: a block per (RoI, run of channels) computes the RoI's sample rows and columns once
+//   into shared memory, then each thread sums bins from them (the tiled kernel); one thread per
+//   output element recomputing everything (the generic kernel) serves the rare shapes the
+//   tiled kernel does not fit.
 // backward, two kernels, picked by at::globalContext().deterministicAlgorithms():
 //   atomic (default): one thread per grad element scatters its samples into a zeroed
 //     grad_input with atomics (float32 / float64 accumulators; float16 and bfloat16 grads
@@ -24,6 +27,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
 
@@ -53,6 +57,29 @@ __device__ __forceinline__ RoIBins<T> bins_of(
       aligned);
 }
 
+// One output element: the mean of the bin's samples, read from one H x W plane.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t roi_align_bin(
+    const scalar_t* __restrict__ plane, const RoIBins<acc_t>& r, int64_t ph, int64_t pw,
+    int64_t height, int64_t width) {
+  acc_t sum = 0;
+  BilinearSample<acc_t> s;
+  for (int64_t iy = 0; iy < r.grid_h; ++iy) {
+    const acc_t y = roi_align::sample_coord(r.start_h, r.bin_h, ph, iy, r.grid_h);
+    for (int64_t ix = 0; ix < r.grid_w; ++ix) {
+      const acc_t x = roi_align::sample_coord(r.start_w, r.bin_w, pw, ix, r.grid_w);
+      if (!roi_align::bilinear_sample(y, x, height, width, s)) continue;
+      const int64_t row_lo = s.y_low * width, row_hi = s.y_high * width;
+      sum += s.w1 * static_cast<acc_t>(plane[row_lo + s.x_low]) +
+          s.w2 * static_cast<acc_t>(plane[row_lo + s.x_high]) +
+          s.w3 * static_cast<acc_t>(plane[row_hi + s.x_low]) +
+          s.w4 * static_cast<acc_t>(plane[row_hi + s.x_high]);
+    }
+  }
+  return sum / r.count;
+}
+
+// Generic forward: one thread per output element (RoI, channel, bin).
 template <typename scalar_t, typename acc_t>
 __global__ void roi_align_forward_kernel(
     int64_t total, const scalar_t* __restrict__ input, const acc_t* __restrict__ rois,
@@ -74,21 +101,177 @@ __global__ void roi_align_forward_kernel(
     const RoIBins<acc_t> r =
         bins_of(roi, scale, pooled_height, pooled_width, sampling_ratio, aligned);
     const scalar_t* plane = input + (b * channels + c) * height * width;
+    output[idx] = static_cast<scalar_t>(roi_align_bin(plane, r, ph, pw, height, width));
+  }
+}
+
+// One sample row (or column) of a RoI: plane offsets of the two pixels it reads and their
+// weights; lo < 0 when the sample lies outside the map (it then contributes nothing).
+template <typename T>
+struct AxisTap {
+  int32_t lo, hi;
+  T l, h;
+};
+
+constexpr int kTapCapacity = 512;  // sample rows (and columns) a tiled block holds
+constexpr int kTiledThreads = 256;
+constexpr int kTiledOutputs = 2048;  // outputs per tiled block, about
+
+// Fills the block's sample-row and sample-column tables for RoI bins r (ny rows, nx columns),
+// with the same per-axis rules as bilinear_sample. The caller synchronizes.
+template <typename acc_t>
+__device__ __forceinline__ void build_taps(
+    const RoIBins<acc_t>& r, int64_t ny, int64_t nx, int64_t height, int64_t width,
+    AxisTap<acc_t>* ytaps, AxisTap<acc_t>* xtaps) {
+  const bool has_map = height > 0 && width > 0;
+  for (int64_t i = threadIdx.x; i < ny + nx; i += blockDim.x) {
+    const bool is_y = i < ny;
+    const int64_t j = is_y ? i : i - ny;
+    const int64_t grid = is_y ? r.grid_h : r.grid_w;
+    const int64_t p = j / grid, q = j - p * grid;
+    const acc_t v = is_y ? roi_align::sample_coord(r.start_h, r.bin_h, p, q, grid)
+                         : roi_align::sample_coord(r.start_w, r.bin_w, p, q, grid);
+    const int64_t size = is_y ? height : width;
+    AxisTap<acc_t> tap{-1, -1, acc_t(0), acc_t(0)};
+    // the band test of bilinear_sample, one axis at a time (NaN fails)
+    if (has_map && v >= acc_t(-1) && v <= static_cast<acc_t>(size)) {
+      int64_t lo, hi;
+      acc_t l;
+      roi_align::axis_weights(v, size, lo, hi, l);
+      const int64_t stride = is_y ? width : 1;
+      tap = AxisTap<acc_t>{
+          static_cast<int32_t>(lo * stride), static_cast<int32_t>(hi * stride), l, acc_t(1) - l};
+    }
+    (is_y ? ytaps[j] : xtaps[j]) = tap;
+  }
+}
+
+// Tiled forward: a block per (RoI, run of channels). The sample coordinates of a RoI are
+// separable (rows depend on (ph, iy) only, columns on (pw, ix)), so the block computes them
+// once into shared memory, with the same geometry as the generic kernel, and every output
+// then costs four loads and four multiply-adds per sample. A RoI whose adaptive grid
+// overflows the tables falls back to the generic per-output computation.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kTiledThreads) roi_align_forward_tiled_kernel(
+    const scalar_t* __restrict__ input, const acc_t* __restrict__ rois, int64_t batch,
+    int64_t channels, int64_t height, int64_t width, int pooled_height, int pooled_width,
+    acc_t scale, int64_t sampling_ratio, bool aligned, int channels_per_block,
+    scalar_t* __restrict__ output) {
+  __shared__ AxisTap<acc_t> ytaps[kTapCapacity];
+  __shared__ AxisTap<acc_t> xtaps[kTapCapacity];
+  const int64_t k = blockIdx.x;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * channels_per_block;
+  const int bins = pooled_height * pooled_width;
+  const int nc = static_cast<int>(min(channels - c0, static_cast<int64_t>(channels_per_block)));
+  const int nout = nc * bins;
+  scalar_t* out = output + (k * channels + c0) * bins;
+  const acc_t* roi = rois + k * 5;
+  const int64_t b = roi_align::roi_batch_index(roi[0], batch);
+  if (b < 0) {
+    for (int o = threadIdx.x; o < nout; o += blockDim.x) out[o] = scalar_t(0);
+    return;
+  }
+  const RoIBins<acc_t> r =
+      bins_of(roi, scale, pooled_height, pooled_width, sampling_ratio, aligned);
+  const int64_t ny = pooled_height * r.grid_h, nx = pooled_width * r.grid_w;
+  const scalar_t* planes = input + (b * channels + c0) * height * width;
+  if (ny > kTapCapacity || nx > kTapCapacity) {
+    for (int o = threadIdx.x; o < nout; o += blockDim.x) {
+      const int c = o / bins, bin = o - c * bins;
+      const int ph = bin / pooled_width, pw = bin - ph * pooled_width;
+      out[o] = static_cast<scalar_t>(
+          roi_align_bin(planes + c * height * width, r, ph, pw, height, width));
+    }
+    return;
+  }
+  build_taps(r, ny, nx, height, width, ytaps, xtaps);
+  __syncthreads();
+  const int gh = static_cast<int>(r.grid_h), gw = static_cast<int>(r.grid_w);
+  const int64_t plane_size = height * width;
+  for (int o = threadIdx.x; o < nout; o += blockDim.x) {
+    const int c = o / bins, bin = o - c * bins;
+    const int ph = bin / pooled_width, pw = bin - ph * pooled_width;
+    const scalar_t* plane = planes + c * plane_size;
     acc_t sum = 0;
-    BilinearSample<acc_t> s;
-    for (int64_t iy = 0; iy < r.grid_h; ++iy) {
-      const acc_t y = roi_align::sample_coord(r.start_h, r.bin_h, ph, iy, r.grid_h);
-      for (int64_t ix = 0; ix < r.grid_w; ++ix) {
-        const acc_t x = roi_align::sample_coord(r.start_w, r.bin_w, pw, ix, r.grid_w);
-        if (!roi_align::bilinear_sample(y, x, height, width, s)) continue;
-        const int64_t row_lo = s.y_low * width, row_hi = s.y_high * width;
-        sum += s.w1 * static_cast<acc_t>(plane[row_lo + s.x_low]) +
-            s.w2 * static_cast<acc_t>(plane[row_lo + s.x_high]) +
-            s.w3 * static_cast<acc_t>(plane[row_hi + s.x_low]) +
-            s.w4 * static_cast<acc_t>(plane[row_hi + s.x_high]);
+    for (int iy = 0; iy < gh; ++iy) {
+      const AxisTap<acc_t> ty = ytaps[ph * gh + iy];
+      if (ty.lo < 0) continue;
+      for (int ix = 0; ix < gw; ++ix) {
+        const AxisTap<acc_t> tx = xtaps[pw * gw + ix];
+        if (tx.lo < 0) continue;
+        sum += (ty.h * tx.h) * static_cast<acc_t>(plane[ty.lo + tx.lo]) +
+            (ty.h * tx.l) * static_cast<acc_t>(plane[ty.lo + tx.hi]) +
+            (ty.l * tx.h) * static_cast<acc_t>(plane[ty.hi + tx.lo]) +
+            (ty.l * tx.l) * static_cast<acc_t>(plane[ty.hi + tx.hi]);
       }
     }
-    output[idx] = static_cast<scalar_t>(sum / r.count);
+    out[o] = static_cast<scalar_t>(sum / r.count);
+  }
+}
+
+// Tiled atomic backward, the forward's tiling: each grad element scatters its samples with
+// weights taken from the block's tables. Falls back per RoI like the forward.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kTiledThreads) roi_align_backward_tiled_kernel(
+    const scalar_t* __restrict__ grad, const acc_t* __restrict__ rois, int64_t batch,
+    int64_t channels, int64_t height, int64_t width, int pooled_height, int pooled_width,
+    acc_t scale, int64_t sampling_ratio, bool aligned, int channels_per_block,
+    acc_t* __restrict__ grad_input) {
+  __shared__ AxisTap<acc_t> ytaps[kTapCapacity];
+  __shared__ AxisTap<acc_t> xtaps[kTapCapacity];
+  const int64_t k = blockIdx.x;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * channels_per_block;
+  const int bins = pooled_height * pooled_width;
+  const int nc = static_cast<int>(min(channels - c0, static_cast<int64_t>(channels_per_block)));
+  const int nout = nc * bins;
+  const acc_t* roi = rois + k * 5;
+  const int64_t b = roi_align::roi_batch_index(roi[0], batch);
+  if (b < 0) return;
+  const RoIBins<acc_t> r =
+      bins_of(roi, scale, pooled_height, pooled_width, sampling_ratio, aligned);
+  const int64_t ny = pooled_height * r.grid_h, nx = pooled_width * r.grid_w;
+  const scalar_t* g = grad + (k * channels + c0) * bins;
+  const int64_t plane_size = height * width;
+  acc_t* planes = grad_input + (b * channels + c0) * plane_size;
+  const bool fits = ny <= kTapCapacity && nx <= kTapCapacity;
+  if (fits) build_taps(r, ny, nx, height, width, ytaps, xtaps);
+  __syncthreads();
+  const int gh = static_cast<int>(r.grid_h), gw = static_cast<int>(r.grid_w);
+  for (int o = threadIdx.x; o < nout; o += blockDim.x) {
+    const acc_t go = static_cast<acc_t>(g[o]);
+    if (go == acc_t(0)) continue;
+    const acc_t gv = go / r.count;
+    const int c = o / bins, bin = o - c * bins;
+    const int ph = bin / pooled_width, pw = bin - ph * pooled_width;
+    acc_t* plane = planes + c * plane_size;
+    if (!fits) {
+      BilinearSample<acc_t> s;
+      for (int64_t iy = 0; iy < r.grid_h; ++iy) {
+        const acc_t y = roi_align::sample_coord(r.start_h, r.bin_h, int64_t{ph}, iy, r.grid_h);
+        for (int64_t ix = 0; ix < r.grid_w; ++ix) {
+          const acc_t x = roi_align::sample_coord(r.start_w, r.bin_w, int64_t{pw}, ix, r.grid_w);
+          if (!roi_align::bilinear_sample(y, x, height, width, s)) continue;
+          const int64_t row_lo = s.y_low * width, row_hi = s.y_high * width;
+          gpuAtomicAdd(plane + row_lo + s.x_low, s.w1 * gv);
+          gpuAtomicAdd(plane + row_lo + s.x_high, s.w2 * gv);
+          gpuAtomicAdd(plane + row_hi + s.x_low, s.w3 * gv);
+          gpuAtomicAdd(plane + row_hi + s.x_high, s.w4 * gv);
+        }
+      }
+      continue;
+    }
+    for (int iy = 0; iy < gh; ++iy) {
+      const AxisTap<acc_t> ty = ytaps[ph * gh + iy];
+      if (ty.lo < 0) continue;
+      for (int ix = 0; ix < gw; ++ix) {
+        const AxisTap<acc_t> tx = xtaps[pw * gw + ix];
+        if (tx.lo < 0) continue;
+        gpuAtomicAdd(plane + ty.lo + tx.lo, (ty.h * tx.h) * gv);
+        gpuAtomicAdd(plane + ty.lo + tx.hi, (ty.h * tx.l) * gv);
+        gpuAtomicAdd(plane + ty.hi + tx.lo, (ty.l * tx.h) * gv);
+        gpuAtomicAdd(plane + ty.hi + tx.hi, (ty.l * tx.l) * gv);
+      }
+    }
   }
 }
 
@@ -269,13 +452,28 @@ at::Tensor roi_align_forward_cuda(
   const at::Tensor r = rois.to(acc_dtype_of(rois.scalar_type())).contiguous();
   const int64_t total = output.numel();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t channels = x.size(1), bins = pooled_height * pooled_width;
+  const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(channels, kTiledOutputs / bins));
+  const int64_t channel_blocks = (channels + per_block - 1) / per_block;
+  // The tiled kernel keeps plane offsets in 32 bits and a RoI per grid column.
+  const bool tiled = x.size(2) * x.size(3) < (int64_t{1} << 31) && channel_blocks <= 65535 &&
+      rois.size(0) < (int64_t{1} << 31) && bins <= kTiledOutputs;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kForwardOp, [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    roi_align_forward_kernel<scalar_t, acc_t>
-        <<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(
-            total, x.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch, x.size(1),
-            x.size(2), x.size(3), pooled_height, pooled_width, static_cast<acc_t>(spatial_scale),
-            sampling_ratio, aligned, output.data_ptr<scalar_t>());
+    if (tiled) {
+      const dim3 grid(static_cast<unsigned>(rois.size(0)), static_cast<unsigned>(channel_blocks));
+      roi_align_forward_tiled_kernel<scalar_t, acc_t><<<grid, kTiledThreads, 0, stream>>>(
+          x.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch, channels, x.size(2),
+          x.size(3), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
+          static_cast<acc_t>(spatial_scale), sampling_ratio, aligned, static_cast<int>(per_block),
+          output.data_ptr<scalar_t>());
+    } else {
+      roi_align_forward_kernel<scalar_t, acc_t>
+          <<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(
+              total, x.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch, channels,
+              x.size(2), x.size(3), pooled_height, pooled_width, static_cast<acc_t>(spatial_scale),
+              sampling_ratio, aligned, output.data_ptr<scalar_t>());
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return output;
@@ -400,6 +598,20 @@ at::Tensor roi_align_backward_cuda(
     cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, kBackwardOp, [&] {
       using acc_t = at::opmath_type<scalar_t>;
+      const int64_t bins = pooled_height * pooled_width;
+      const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(channels, kTiledOutputs / bins));
+      const int64_t channel_blocks = (channels + per_block - 1) / per_block;
+      if (height * width < (int64_t{1} << 31) && channel_blocks <= 65535 &&
+          rois.size(0) < (int64_t{1} << 31) && bins <= kTiledOutputs) {
+        const dim3 grid(static_cast<unsigned>(rois.size(0)), static_cast<unsigned>(channel_blocks));
+        roi_align_backward_tiled_kernel<scalar_t, acc_t><<<grid, kTiledThreads, 0, stream>>>(
+            g.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch_size, channels, height,
+            width, static_cast<int>(pooled_height), static_cast<int>(pooled_width),
+            static_cast<acc_t>(spatial_scale), sampling_ratio, aligned,
+            static_cast<int>(per_block), acc.data_ptr<acc_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
       roi_align_backward_atomic_kernel<scalar_t, acc_t>
           <<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(
               total, g.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch_size,
