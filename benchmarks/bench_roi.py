@@ -72,6 +72,8 @@ def run(devices: List[str], quick: bool = False) -> List[Row]:
                     )
                 )
                 if device == "cuda" and dtype == torch.float32:
+                    xcl = x.contiguous(memory_format=torch.channels_last)
+                    rows.append(compare(f"roi_align fwd, channels_last input, {tag}", device, lambda: ours(xcl, rois), lambda: theirs(xcl, rois), **runs))
                     torch.use_deterministic_algorithms(True)
                     try:
                         rows.append(compare(f"roi_align fwd+bwd deterministic, {tag}", device, lambda: _fwd_bwd(ours, x, rois, grad), None, **runs))

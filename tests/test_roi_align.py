@@ -472,3 +472,30 @@ def test_cuda_autocast():
 @pytest.mark.cuda
 def test_cuda_opcheck():
     test_opcheck("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_cuda_forward_paths_agree_with_cpu(dtype):
+    # The CUDA forward picks among a channels-last vectorized kernel (channels-last input, or
+    # NCHW input converted when samples outnumber its elements), an NCHW tiled kernel, and the
+    # per-element kernel; RoIs with huge adaptive grids fall back inside the tiled kernels.
+    from detops.testing import random_rois
+
+    g = torch.Generator().manual_seed(0)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype in (torch.float32, torch.float64) else dict(rtol=2e-2, atol=2e-2)
+    cases = [
+        (torch.randn(2, 64, 40, 48, generator=g), 300, 2, True),  # converted to channels-last
+        (torch.randn(2, 64, 40, 48, generator=g).to(memory_format=torch.channels_last), 20, 2, False),
+        (torch.randn(2, 6, 40, 48, generator=g), 50, -1, True),  # NCHW tiled (6 channels)
+        (torch.randn(1, 32, 600, 8, generator=g), 10, 0, False),  # tall RoIs: grid > tables
+    ]
+    for x, k, sr, aligned in cases:
+        rois = random_rois(k, x.shape[0], x.shape[2], x.shape[3], seed=k, spatial_scale=0.5)
+        if x.shape[2] == 600:
+            rois[:, 2], rois[:, 4] = 0.0, 1200.0  # full-height RoIs: 600 / 7 -> 86 samples per bin
+        xd, rd = x.to(dtype), rois.to(dtype)
+        expected = roi_align(xd.float() if dtype != torch.float64 else xd, rd.float() if dtype != torch.float64 else rd, (7, 5), 0.5, sr, aligned)
+        got = roi_align(xd.cuda(), rd.cuda(), (7, 5), 0.5, sr, aligned)
+        assert got.is_contiguous() and got.dtype == dtype
+        torch.testing.assert_close(got.cpu().to(expected.dtype), expected, **tol)

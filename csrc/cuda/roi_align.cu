@@ -209,6 +209,106 @@ __global__ void __launch_bounds__(kTiledThreads) roi_align_forward_tiled_kernel(
   }
 }
 
+// Channels-last forward: a block per (RoI, run of channels). Threads run along channels, so
+// each sample's four pixels are read as whole 16-byte vectors of consecutive channels (in NCHW
+// every pixel of a channel plane is a separate 32-byte sector). Results gather in a shared
+// [channel][bin] tile that is written out as one contiguous run of the NCHW output.
+// kVec channels per thread; C and the run length are multiples of kVec and rows are 16-byte
+// aligned (checked on the host).
+constexpr int kNhwcTileBytes = 32 * 1024;
+
+template <typename scalar_t, int kVec>
+struct alignas(16) ChannelVec {
+  scalar_t v[kVec];
+};
+
+template <typename scalar_t, typename acc_t, int kVec>
+__global__ void __launch_bounds__(kTiledThreads) roi_align_forward_nhwc_kernel(
+    const scalar_t* __restrict__ input, const acc_t* __restrict__ rois, int64_t batch,
+    int64_t channels, int64_t height, int64_t width, int pooled_height, int pooled_width,
+    acc_t scale, int64_t sampling_ratio, bool aligned, int channels_per_block, int bins_stride,
+    scalar_t* __restrict__ output) {
+  __shared__ AxisTap<acc_t> ytaps[kTapCapacity];
+  __shared__ AxisTap<acc_t> xtaps[kTapCapacity];
+  extern __shared__ unsigned char tile_raw[];
+  acc_t* tile = reinterpret_cast<acc_t*>(tile_raw);  // [channels_per_block][bins_stride]
+  const int64_t k = blockIdx.x;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * channels_per_block;
+  const int bins = pooled_height * pooled_width;
+  const int nc = static_cast<int>(min(channels - c0, static_cast<int64_t>(channels_per_block)));
+  scalar_t* out = output + (k * channels + c0) * bins;
+  const acc_t* roi = rois + k * 5;
+  const int64_t b = roi_align::roi_batch_index(roi[0], batch);
+  if (b < 0) {
+    for (int o = threadIdx.x; o < nc * bins; o += blockDim.x) out[o] = scalar_t(0);
+    return;
+  }
+  const RoIBins<acc_t> r =
+      bins_of(roi, scale, pooled_height, pooled_width, sampling_ratio, aligned);
+  const int64_t ny = pooled_height * r.grid_h, nx = pooled_width * r.grid_w;
+  const bool fits = ny <= kTapCapacity && nx <= kTapCapacity;
+  if (fits) {
+    // pixel offsets within the image (y * W + x), not plane offsets
+    build_taps(r, ny, nx, height, width, ytaps, xtaps);
+  }
+  __syncthreads();
+  const scalar_t* image = input + b * height * width * channels + c0;
+  const int vecs = nc / kVec;
+  const int gh = static_cast<int>(r.grid_h), gw = static_cast<int>(r.grid_w);
+  for (int item = threadIdx.x; item < vecs * bins; item += blockDim.x) {
+    const int cv = item % vecs, bin = item / vecs;
+    const int ph = bin / pooled_width, pw = bin - ph * pooled_width;
+    acc_t sum[kVec];
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) sum[v] = acc_t(0);
+    const scalar_t* base = image + cv * kVec;
+    // one sample: the same expression, term for term, as the NCHW kernels
+    auto add = [&](int64_t p1, int64_t p2, int64_t p3, int64_t p4, acc_t w1, acc_t w2, acc_t w3,
+                   acc_t w4) {
+      using V = ChannelVec<scalar_t, kVec>;
+      const V q1 = *reinterpret_cast<const V*>(base + p1 * channels);
+      const V q2 = *reinterpret_cast<const V*>(base + p2 * channels);
+      const V q3 = *reinterpret_cast<const V*>(base + p3 * channels);
+      const V q4 = *reinterpret_cast<const V*>(base + p4 * channels);
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        sum[v] += w1 * static_cast<acc_t>(q1.v[v]) + w2 * static_cast<acc_t>(q2.v[v]) +
+            w3 * static_cast<acc_t>(q3.v[v]) + w4 * static_cast<acc_t>(q4.v[v]);
+      }
+    };
+    if (fits) {
+      for (int iy = 0; iy < gh; ++iy) {
+        const AxisTap<acc_t> ty = ytaps[ph * gh + iy];
+        if (ty.lo < 0) continue;
+        for (int ix = 0; ix < gw; ++ix) {
+          const AxisTap<acc_t> tx = xtaps[pw * gw + ix];
+          if (tx.lo < 0) continue;
+          add(ty.lo + tx.lo, ty.lo + tx.hi, ty.hi + tx.lo, ty.hi + tx.hi, ty.h * tx.h,
+              ty.h * tx.l, ty.l * tx.h, ty.l * tx.l);
+        }
+      }
+    } else {
+      BilinearSample<acc_t> s;
+      for (int64_t iy = 0; iy < r.grid_h; ++iy) {
+        const acc_t y = roi_align::sample_coord(r.start_h, r.bin_h, int64_t{ph}, iy, r.grid_h);
+        for (int64_t ix = 0; ix < r.grid_w; ++ix) {
+          const acc_t x = roi_align::sample_coord(r.start_w, r.bin_w, int64_t{pw}, ix, r.grid_w);
+          if (!roi_align::bilinear_sample(y, x, height, width, s)) continue;
+          add(s.y_low * width + s.x_low, s.y_low * width + s.x_high, s.y_high * width + s.x_low,
+              s.y_high * width + s.x_high, s.w1, s.w2, s.w3, s.w4);
+        }
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) tile[(cv * kVec + v) * bins_stride + bin] = sum[v] / r.count;
+  }
+  __syncthreads();
+  for (int o = threadIdx.x; o < nc * bins; o += blockDim.x) {
+    const int c = o / bins, bin = o - c * bins;
+    out[o] = static_cast<scalar_t>(tile[c * bins_stride + bin]);
+  }
+}
+
 // Tiled atomic backward, the forward's tiling: each grad element scatters its samples with
 // weights taken from the block's tables. Falls back per RoI like the forward.
 template <typename scalar_t, typename acc_t>
@@ -448,16 +548,48 @@ at::Tensor roi_align_forward_cuda(
   if (output.numel() == 0) return output;
   const int64_t batch = input.size(0);
   assert_batch_indices(kForwardOp, rois, batch);
-  const at::Tensor x = input.contiguous();
   const at::Tensor r = rois.to(acc_dtype_of(rois.scalar_type())).contiguous();
   const int64_t total = output.numel();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t channels = x.size(1), bins = pooled_height * pooled_width;
+  const int64_t channels = input.size(1), bins = pooled_height * pooled_width;
   const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(channels, kTiledOutputs / bins));
   const int64_t channel_blocks = (channels + per_block - 1) / per_block;
-  // The tiled kernel keeps plane offsets in 32 bits and a RoI per grid column.
-  const bool tiled = x.size(2) * x.size(3) < (int64_t{1} << 31) && channel_blocks <= 65535 &&
+  // The tiled kernels keep pixel offsets in 32 bits and a RoI per grid column.
+  const bool tiled = input.size(2) * input.size(3) < (int64_t{1} << 31) && channel_blocks <= 65535 &&
       rois.size(0) < (int64_t{1} << 31) && bins <= kTiledOutputs;
+  // Channels-last input, or NCHW input whose samples outnumber its elements (then one
+  // conversion pass costs less than sector-wasting NCHW gathers), takes the vectorized path.
+  const int64_t vec = 16 / static_cast<int64_t>(input.element_size());
+  const int64_t sample_estimate = rois.size(0) * channels * bins * 4 *
+      std::max<int64_t>(1, sampling_ratio > 0 ? sampling_ratio * sampling_ratio : 4);
+  const bool channels_last = input.is_contiguous(at::MemoryFormat::ChannelsLast);
+  const bool nhwc = tiled && channels % vec == 0 && bins <= 512 &&
+      (channels_last || (channels >= 32 && sample_estimate >= 2 * input.numel()));
+  const at::Tensor xl = nhwc && !channels_last ? input.contiguous(at::MemoryFormat::ChannelsLast) : input;
+  if (nhwc && reinterpret_cast<uintptr_t>(xl.const_data_ptr()) % 16 == 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kForwardOp, [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      constexpr int kVec = 16 / sizeof(scalar_t);
+      const int bins_stride = static_cast<int>(bins % 2 ? bins : bins + 1);
+      // the tile shares the default 48 KiB with the static tap tables
+      const int64_t budget = 48 * 1024 - 2 * kTapCapacity * static_cast<int64_t>(sizeof(AxisTap<acc_t>));
+      int64_t per_block = std::min<int64_t>(kNhwcTileBytes, budget) /
+          (bins_stride * static_cast<int64_t>(sizeof(acc_t)));
+      per_block = std::max<int64_t>(kVec, std::min<int64_t>(channels, per_block / kVec * kVec));
+      const int64_t blocks_c = (channels + per_block - 1) / per_block;
+      const size_t tile_bytes = static_cast<size_t>(per_block * bins_stride * sizeof(acc_t));
+      auto kernel = roi_align_forward_nhwc_kernel<scalar_t, acc_t, kVec>;
+      const dim3 grid(static_cast<unsigned>(rois.size(0)), static_cast<unsigned>(blocks_c));
+      kernel<<<grid, kTiledThreads, tile_bytes, stream>>>(
+          xl.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch, channels, xl.size(2),
+          xl.size(3), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
+          static_cast<acc_t>(spatial_scale), sampling_ratio, aligned, static_cast<int>(per_block),
+          bins_stride, output.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return output;
+  }
+  const at::Tensor x = input.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kForwardOp, [&] {
     using acc_t = at::opmath_type<scalar_t>;
     if (tiled) {
