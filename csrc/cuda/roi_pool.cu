@@ -6,7 +6,8 @@
 //
 // Backward, two variants:
 //   * atomic (default): one thread per grad_output element adds it to the argmax pixel of
-//     grad_input with gpuAtomicAdd; the order of the additions, hence the rounding, varies.
+//     grad_input with gpuAtomicAdd (a float32 accumulator for float16 / bfloat16); the order of
+//     the additions, hence the rounding, varies.
 //   * deterministic (torch.use_deterministic_algorithms(True)): every grad_output element gets
 //     the key (b * C + c) * H * W + argmax of the pixel it feeds (a sentinel past the end for
 //     empty bins); a stable sort by key groups the contributions of each pixel in RoI order,
@@ -115,15 +116,18 @@ __device__ __forceinline__ int64_t roi_pool_target(
   return (b * index.channels + c) * plane_size + a;
 }
 
+// Adds into an accumulator of the op-math type (float32 for float16 / bfloat16 grads), so
+// that many contributions to one pixel do not each round to half precision.
 template <typename scalar_t>
 __global__ void roi_pool_backward_atomic_kernel(
     int64_t total, const scalar_t* __restrict__ grad, PooledIndex index,
     const int32_t* __restrict__ argmax, const scalar_t* __restrict__ rois, int64_t batch,
-    int64_t plane_size, scalar_t* __restrict__ grad_input) {
+    int64_t plane_size, at::opmath_type<scalar_t>* __restrict__ grad_input) {
+  using acc_t = at::opmath_type<scalar_t>;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t t = roi_pool_target(i, index, argmax, rois, batch, plane_size);
-    if (t >= 0) gpuAtomicAdd(grad_input + t, grad[index.offset(i)]);
+    if (t >= 0) gpuAtomicAdd(grad_input + t, static_cast<acc_t>(grad[index.offset(i)]));
   }
 }
 
@@ -255,12 +259,17 @@ at::Tensor roi_pool_backward_cuda(
           }
           return;
         }
+        using acc_t = at::opmath_type<scalar_t>;
+        at::Tensor acc = grad_input;
+        if (grad_input.scalar_type() != c10::CppTypeToScalarType<acc_t>::value) {
+          acc = at::zeros(grad_input.sizes(), grad_input.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+        }
         roi_pool_backward_atomic_kernel<scalar_t>
             <<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(
                 total, grad.const_data_ptr<scalar_t>(), index, argmax.const_data_ptr<int32_t>(),
-                rois.const_data_ptr<scalar_t>(), batch_size, plane_size,
-                grad_input.data_ptr<scalar_t>());
+                rois.const_data_ptr<scalar_t>(), batch_size, plane_size, acc.data_ptr<acc_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (!acc.is_same(grad_input)) grad_input.copy_(acc);
       });
   return grad_input;
 }
