@@ -98,6 +98,33 @@ inline void check_finite(const char* op, const char* arg, double v) {
   DETOPS_CHECK(std::isfinite(v), op, ": ", arg, " must be a finite number, got ", v);
 }
 
+// What every RoI op asks of its RoI arguments: rois [K, 5] of a float dtype, a positive pooled
+// size and a finite, positive spatial scale.
+inline void check_roi_common(
+    const char* op, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width) {
+  DETOPS_CHECK(
+      rois.dim() == 2 && rois.size(1) == 5, op, ": rois must be a [K, 5] tensor, got ",
+      shape_str(rois));
+  check_float_tensor(op, "rois", rois);
+  DETOPS_CHECK(
+      pooled_height > 0 && pooled_width > 0, op,
+      ": pooled_height and pooled_width must be positive, got ", pooled_height, " and ",
+      pooled_width);
+  DETOPS_CHECK(
+      std::isfinite(spatial_scale) && spatial_scale > 0, op,
+      ": spatial_scale must be a finite number > 0, got ", spatial_scale);
+}
+
+// Sizes a backward op is asked to produce.
+inline void check_grad_input_sizes(
+    const char* op, int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
+  DETOPS_CHECK(
+      batch_size >= 0 && channels >= 0 && height >= 0 && width >= 0, op,
+      ": batch_size, channels, height and width must be >= 0, got ", batch_size, ", ", channels,
+      ", ", height, ", ", width);
+}
+
 // boxes [N, 4], scores [N] (and idxs [N] of an integer dtype), one device, one float dtype.
 inline void check_nms_inputs(
     const char* op, const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor* idxs,

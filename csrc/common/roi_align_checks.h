@@ -16,17 +16,7 @@ namespace checks {
 inline void check_roi_align_common(
     const char* op, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, int64_t sampling_ratio) {
-  DETOPS_CHECK(
-      rois.dim() == 2 && rois.size(1) == 5, op, ": rois must be a [K, 5] tensor, got ",
-      shape_str(rois));
-  check_float_tensor(op, "rois", rois);
-  DETOPS_CHECK(
-      pooled_height > 0 && pooled_width > 0, op,
-      ": pooled_height and pooled_width must be positive, got ", pooled_height, " and ",
-      pooled_width);
-  DETOPS_CHECK(
-      std::isfinite(spatial_scale) && spatial_scale > 0, op,
-      ": spatial_scale must be a finite number > 0, got ", spatial_scale);
+  check_roi_common(op, rois, spatial_scale, pooled_height, pooled_width);
   DETOPS_CHECK(
       sampling_ratio <= roi_align::kMaxGrid, op, ": sampling_ratio must be at most ",
       roi_align::kMaxGrid, " (<= 0 means adaptive), got ", sampling_ratio);
@@ -51,10 +41,7 @@ inline void check_roi_align_backward_inputs(
     int64_t height, int64_t width, int64_t sampling_ratio) {
   check_float_tensor(op, "grad", grad);
   check_roi_align_common(op, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio);
-  DETOPS_CHECK(
-      batch_size >= 0 && channels >= 0 && height >= 0 && width >= 0, op,
-      ": batch_size, channels, height and width must be >= 0, got ", batch_size, ", ", channels,
-      ", ", height, ", ", width);
+  check_grad_input_sizes(op, batch_size, channels, height, width);
   DETOPS_CHECK(
       grad.dim() == 4 && grad.size(0) == rois.size(0) && grad.size(1) == channels &&
           grad.size(2) == pooled_height && grad.size(3) == pooled_width,

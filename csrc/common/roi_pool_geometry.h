@@ -132,20 +132,10 @@ inline void check_roi_pool_inputs(
   const char* op = "detops.roi_pool";
   DETOPS_CHECK(
       input.dim() == 4, op, ": input must be a [B, C, H, W] tensor, got ", shape_str(input));
-  DETOPS_CHECK(
-      rois.dim() == 2 && rois.size(1) == 5, op, ": rois must be a [K, 5] tensor, got ",
-      shape_str(rois));
   check_float_tensor(op, "input", input);
-  check_float_tensor(op, "rois", rois);
+  check_roi_common(op, rois, spatial_scale, pooled_height, pooled_width);
   check_same_device(op, "input", input, "rois", rois);
   check_same_dtype(op, "input", input, "rois", rois);
-  DETOPS_CHECK(
-      pooled_height > 0 && pooled_width > 0, op,
-      ": pooled_height and pooled_width must be positive, got ", pooled_height, " and ",
-      pooled_width);
-  DETOPS_CHECK(
-      std::isfinite(spatial_scale) && spatial_scale > 0, op,
-      ": spatial_scale must be a finite number > 0, got ", spatial_scale);
 }
 
 inline void check_roi_pool_backward_inputs(
@@ -153,20 +143,8 @@ inline void check_roi_pool_backward_inputs(
     double spatial_scale, int64_t pooled_height, int64_t pooled_width, int64_t batch_size,
     int64_t channels, int64_t height, int64_t width) {
   const char* op = "detops.roi_pool backward";
-  DETOPS_CHECK(
-      rois.dim() == 2 && rois.size(1) == 5, op, ": rois must be a [K, 5] tensor, got ",
-      shape_str(rois));
-  DETOPS_CHECK(
-      batch_size >= 0 && channels >= 0 && height >= 0 && width >= 0, op,
-      ": batch_size, channels, height and width must be >= 0, got ", batch_size, ", ", channels,
-      ", ", height, ", ", width);
-  DETOPS_CHECK(
-      pooled_height > 0 && pooled_width > 0, op,
-      ": pooled_height and pooled_width must be positive, got ", pooled_height, " and ",
-      pooled_width);
-  DETOPS_CHECK(
-      std::isfinite(spatial_scale) && spatial_scale > 0, op,
-      ": spatial_scale must be a finite number > 0, got ", spatial_scale);
+  check_roi_common(op, rois, spatial_scale, pooled_height, pooled_width);
+  check_grad_input_sizes(op, batch_size, channels, height, width);
   const std::vector<int64_t> want{rois.size(0), channels, pooled_height, pooled_width};
   DETOPS_CHECK(
       grad.sizes() == at::IntArrayRef(want), op, ": grad must be a [K, C, PH, PW] = ",
