@@ -36,8 +36,15 @@ pip_install "setuptools>=64" wheel ninja numpy pytest pyyaml
 if ! command -v cmake >/dev/null 2>&1; then
   pip_install cmake
 fi
-if ! ls /usr/lib/*/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake \
-    /usr/local/lib/cmake/GTest/GTestConfig.cmake >/dev/null 2>&1; then
+have_gtest() {
+  local f
+  for f in /usr/lib/*/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake \
+      /usr/local/lib/cmake/GTest/GTestConfig.cmake /usr/local/lib/*/cmake/GTest/GTestConfig.cmake; do
+    [ -f "$f" ] && return 0
+  done
+  return 1
+}
+if ! have_gtest; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "detops: installing GoogleTest (libgtest-dev) for the C++ tests"
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev >/dev/null
