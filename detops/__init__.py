@@ -9,10 +9,11 @@ from ._extension import load as _load
 _C = _load()
 
 from . import ops  # noqa: E402
+from .jit import aot_library_path  # noqa: E402
 
 try:
     from ._build_info import version as __version__
 except ImportError:  # built by other means
     __version__ = "0.1.0"
 
-__all__ = ["ops", "__version__"]
+__all__ = ["ops", "aot_library_path", "__version__"]

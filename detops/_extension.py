@@ -1,7 +1,18 @@
-"""Loading detops._C, with one clear message when it does not fit the running torch."""
+"""Loading detops._C, with one clear message when it does not fit the running torch.
+
+When no prebuilt detops._C exists (a source checkout that was never built), `import detops`
+builds the extension from csrc/ with `detops.jit.load()` and says so. DETOPS_JIT selects:
+  unset or "auto"  use the prebuilt detops._C; build with the JIT only when it does not exist
+  "1"              always use the JIT build, even when a prebuilt detops._C exists
+  "0"              never build: a missing detops._C is an ImportError with the build command
+A detops._C that exists but does not load (built against another torch: undefined symbol, ...)
+is never replaced silently: the error says what was built, what runs, and how to rebuild.
+"""
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import warnings
 
 import torch
@@ -33,9 +44,35 @@ def _release(version: str) -> str:
     return version.split("+")[0]
 
 
+def _jit_mode() -> str:
+    mode = os.environ.get("DETOPS_JIT", "auto").strip().lower()
+    if mode in ("1", "true", "yes", "on"):
+        return "always"
+    if mode in ("0", "false", "no", "off"):
+        return "never"
+    return "auto"
+
+
+def _load_jit(reason: str):
+    from . import jit
+
+    warnings.warn(
+        f"detops: {reason}; building it from csrc/ with detops.jit.load() (the first build "
+        "takes a few minutes, later imports reuse it; DETOPS_JIT=0 turns this off)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    module = jit.load()
+    sys.modules["detops._C"] = module
+    return module
+
+
 def load():
-    """Import and return detops._C, or raise ImportError saying what was built, what runs,
-    and how to rebuild."""
+    """Import and return detops._C (or its JIT build, see the module docstring), or raise
+    ImportError saying what was built, what runs, and how to rebuild."""
+    mode = _jit_mode()
+    if mode == "always":
+        return _load_jit("DETOPS_JIT=1 asks for the JIT build")
     info = _build_info()
     try:
         module = importlib.import_module("detops._C")
@@ -44,6 +81,8 @@ def load():
         if "undefined symbol" in text or "version" in text.lower() or "cannot open shared" in text:
             cause = "it does not match the torch that is running"
         elif "No module named" in text:
+            if mode == "auto":
+                return _load_jit("no prebuilt detops._C was found")
             cause = "it has not been built"
         else:
             cause = "it could not be loaded"

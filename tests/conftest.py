@@ -17,3 +17,9 @@ def cuda_param(value="cuda"):
 
 
 DEVICES = ["cpu", cuda_param()]
+
+
+@pytest.fixture(scope="session")
+def torch_extensions_dir(tmp_path_factory):
+    """One TORCH_EXTENSIONS_DIR for the JIT builds of a test session, so each builds once."""
+    return tmp_path_factory.mktemp("torch_extensions")

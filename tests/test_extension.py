@@ -36,7 +36,38 @@ def test_missing_build_says_build_it(monkeypatch):
         raise ImportError("No module named 'detops._C'")
 
     monkeypatch.setattr(importlib, "import_module", missing)
+    monkeypatch.setenv("DETOPS_JIT", "0")
     with pytest.raises(ImportError, match="it has not been built"):
+        _extension.load()
+
+
+def test_missing_build_falls_back_to_jit_with_a_message(monkeypatch):
+    import sys
+
+    from detops import jit
+
+    def missing(name):
+        raise ImportError("No module named 'detops._C'")
+
+    sentinel = object()
+    monkeypatch.setattr(importlib, "import_module", missing)
+    monkeypatch.setattr(jit, "load", lambda verbose=False: sentinel)
+    monkeypatch.setitem(sys.modules, "detops._C", sys.modules.get("detops._C"))
+    monkeypatch.delenv("DETOPS_JIT", raising=False)
+    with pytest.warns(RuntimeWarning, match="no prebuilt detops._C was found.*detops.jit.load"):
+        assert _extension.load() is sentinel
+
+
+def test_mismatched_build_is_not_replaced_by_jit(monkeypatch):
+    from detops import jit
+
+    def broken(name):
+        raise ImportError("/x/detops/_C.so: undefined symbol: _ZN3c106detail14torchCheckFailEPKc")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    monkeypatch.setattr(jit, "load", lambda verbose=False: pytest.fail("JIT used for a mismatched build"))
+    monkeypatch.delenv("DETOPS_JIT", raising=False)
+    with pytest.raises(ImportError, match="does not match"):
         _extension.load()
 
 

@@ -31,6 +31,28 @@ PY
 fi
 pip_install "setuptools>=64" wheel ninja numpy pytest pyyaml
 
+# The C++ build (tools/cpp_tests.sh) needs CMake and GoogleTest. CMake comes from pip when the
+# system has none; GoogleTest from the system packages (needs root and apt-get).
+if ! command -v cmake >/dev/null 2>&1; then
+  pip_install cmake
+fi
+have_gtest() {
+  local f
+  for f in /usr/lib/*/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake \
+      /usr/local/lib/cmake/GTest/GTestConfig.cmake /usr/local/lib/*/cmake/GTest/GTestConfig.cmake; do
+    [ -f "$f" ] && return 0
+  done
+  return 1
+}
+if ! have_gtest; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "detops: installing GoogleTest (libgtest-dev) for the C++ tests"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev >/dev/null
+  else
+    echo "detops: GoogleTest not found; install libgtest-dev (or set GTest_DIR) to run the C++ tests" >&2
+  fi
+fi
+
 if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   export TORCH_CUDA_ARCH_LIST="9.0"
 fi
