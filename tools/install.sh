@@ -29,7 +29,7 @@ PY
     pip_install "$TORCH_SPEC" "$TORCHVISION_SPEC"
   fi
 fi
-pip_install "setuptools>=64" wheel ninja numpy pytest pyyaml
+pip_install "setuptools>=64" wheel ninja numpy pytest pyyaml yacs
 
 if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   export TORCH_CUDA_ARCH_LIST="9.0"
