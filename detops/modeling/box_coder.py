@@ -51,6 +51,8 @@ class BoxCoder:
         Returns:
             Tensor[N, 4 * K]: decoded x1, y1, x2, y2 (K groups of four).
         """
+        if rel_codes.dtype in (torch.float16, torch.bfloat16):  # autocast: decode in float32
+            rel_codes = rel_codes.float()
         boxes = boxes.to(rel_codes.dtype)
         wx, wy, ww, wh = self.weights
         widths = boxes[:, 2] - boxes[:, 0]
