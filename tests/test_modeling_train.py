@@ -9,7 +9,7 @@ from detops.config import get_cfg
 from detops.modeling import build_detection_model
 from detops.structures import BoxList
 
-from .conftest import DEVICES
+from tests.conftest import DEVICES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

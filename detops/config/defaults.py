@@ -4,7 +4,10 @@ Every key a YAML file or an override list may set is declared here; yacs rejects
 (``KeyError: 'Non-existent config key: MODEL.RPN.NMS_THRESHOLD'``), so a typo never passes
 silently. Box coordinates follow torchvision's convention (x2 - x1 is the width, no "+ 1").
 """
-from yacs.config import CfgNode as CN
+try:
+    from yacs.config import CfgNode as CN
+except ImportError as e:  # pragma: no cover
+    raise ImportError("detops.config (and detops.modeling) need yacs: pip install yacs") from e
 
 _C = CN()
 
