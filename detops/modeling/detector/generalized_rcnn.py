@@ -1,0 +1,65 @@
+"""GeneralizedRCNN: backbone + RPN + RoI heads."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from ...structures import BoxList
+from ..backbone import build_backbone
+from ..registry import META_ARCH_REGISTRY
+from ..roi_heads import build_roi_heads
+from ..rpn import build_rpn
+from ..transform import build_transform, check_targets
+
+
+@META_ARCH_REGISTRY.register("GeneralizedRCNN")
+class GeneralizedRCNN(nn.Module):
+    """Faster / Mask R-CNN.
+
+    forward(images, targets=None):
+        images (list[Tensor[3, H_i, W_i]]): float RGB in [0, 1], any sizes; the model normalises,
+            resizes (INPUT.MIN_SIZE_*/MAX_SIZE_*) and pads them itself.
+        targets (list[dict] or list[BoxList], training only): per image "boxes" [N, 4] (x1, y1,
+            x2, y2 in input pixels), "labels" [N] int64 (1..NUM_CLASSES-1) and, for Mask R-CNN,
+            "masks" [N, H, W] uint8.
+    Returns:
+        training: dict of losses (loss_objectness, loss_rpn_box_reg, loss_classifier,
+        loss_box_reg, loss_mask).
+        eval: list (one per image) of dicts with "boxes" [K, 4], "labels" [K], "scores" [K] and,
+        with masks, "masks" [K, 1, H, W] (probabilities), in the input images' coordinates.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg.clone()
+        self.transform = build_transform(cfg)
+        self.backbone = build_backbone(cfg)
+        self.rpn = build_rpn(cfg, self.backbone.out_channels)
+        self.roi_heads = build_roi_heads(cfg, self.backbone.out_channels)
+        self.mask_threshold = cfg.MODEL.ROI_MASK_HEAD.POSTPROCESS_MASKS_THRESHOLD
+
+    def forward(self, images: List[Tensor], targets: Optional[List[Union[Dict[str, Tensor], BoxList]]] = None):
+        if self.training:
+            if targets is None:
+                raise ValueError("GeneralizedRCNN: targets are needed in training mode")
+            if len(targets) != len(images):
+                raise ValueError(f"GeneralizedRCNN: {len(images)} images but {len(targets)} targets")
+            check_targets(targets)
+        original_sizes = [tuple(img.shape[-2:]) for img in images]
+        image_list, boxlists = self.transform(images, targets if self.training else None)
+        features = self.backbone(image_list.tensors)
+        proposals, losses = self.rpn(image_list, features, boxlists)
+        if self.roi_heads is None:
+            detections = proposals
+            for p in detections:
+                p.add_field("scores", p.get_field("objectness"))
+                p.add_field("labels", p.bbox.new_ones(len(p), dtype=torch.int64))
+        else:
+            detections, head_losses = self.roi_heads(features, proposals, image_list.image_sizes, boxlists)
+            losses.update(head_losses)
+        if self.training:
+            return losses
+        return self.transform.postprocess(detections, image_list.image_sizes, original_sizes, self.mask_threshold)
+

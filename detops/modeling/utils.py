@@ -1,0 +1,35 @@
+"""Small helpers shared by the RPN and the RoI heads."""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+
+def cat(tensors: List[Tensor], dim: int = 0) -> Tensor:
+    """torch.cat that skips the copy for a single tensor."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
+
+
+def top_k_per_group(group: Tensor, order: Tensor, k: int, num_groups: int) -> Tuple[Tensor, List[int]]:
+    """Keep the first `k` entries of each group, in order, and sort them by group.
+
+    Args:
+        group (Tensor[N] int64): the group (image) of every candidate.
+        order (Tensor[K] int64): indices of candidates, best first (as returned by NMS).
+        k (int): entries kept per group.
+        num_groups (int): number of groups.
+    Returns:
+        (indices grouped by group, best first within each group; per-group counts). The counts
+        are the one host read, needed to split the result into per-image tensors.
+    """
+    g = group[order]
+    by_group = torch.argsort(g, stable=True)
+    g_sorted = g[by_group]
+    counts = torch.bincount(g_sorted, minlength=num_groups)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(g_sorted.numel(), device=g.device) - starts[g_sorted]
+    keep = rank < k
+    kept = order[by_group[keep]]
+    return kept, torch.clamp(counts, max=k).tolist()

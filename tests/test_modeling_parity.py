@@ -1,0 +1,149 @@
+"""detops' GeneralizedRCNN with torchvision's weights returns torchvision's detections.
+
+The torchvision models are randomly initialised (nothing is downloaded); their heads are nudged
+so that the RPN and the box classifier produce confident, varied detections and the mask
+logits are not flat. Both models run at the same, reduced input size to keep CPU time low.
+"""
+import os
+
+import pytest
+import torch
+import torchvision
+
+from detops.modeling import from_torchvision, from_torchvision_state_dict, torchvision_key_to_detops
+
+from tests.conftest import DEVICES
+
+MIN_SIZE, MAX_SIZE = 256, 352
+
+
+def _nudge(model):
+    """Make a random torchvision detector produce detections of several classes."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        rpn = model.rpn.head
+        rpn.cls_logits.weight.normal_(0, 0.05, generator=g)
+        rpn.bbox_pred.weight.normal_(0, 0.02, generator=g)
+        pred = model.roi_heads.box_predictor
+        pred.cls_score.weight.normal_(0, 0.005, generator=g)
+        pred.cls_score.bias[1:8] = torch.linspace(2.0, 3.5, 7)
+        pred.bbox_pred.weight.normal_(0, 0.01, generator=g)
+        mp = getattr(model.roi_heads, "mask_predictor", None)
+        if mp is not None:
+            mp.mask_fcn_logits.weight.mul_(20)
+            mp.mask_fcn_logits.bias.normal_(0, 1, generator=g)
+    model.roi_heads.detections_per_img = 30  # fewer masks to paste: CPU time
+    return model
+
+
+@pytest.fixture(scope="module")
+def tv_mask_rcnn():
+    torch.manual_seed(0)
+    model = torchvision.models.detection.maskrcnn_resnet50_fpn(
+        weights=None, weights_backbone=None, min_size=MIN_SIZE, max_size=MAX_SIZE
+    )
+    return _nudge(model).eval()
+
+
+def _images(device):
+    g = torch.Generator().manual_seed(2)
+    imgs = [torch.rand(3, 240, 320, generator=g), torch.rand(3, 200, 300, generator=g)]
+    # some structure, so that features vary over the image
+    imgs[0][:, 60:140, 80:220] *= 0.3
+    imgs[1][:, 20:120, 150:280] += 0.5
+    return [im.clamp(0, 1).to(device) for im in imgs]
+
+
+def _canonical(out):
+    """Detections sorted by score, ties by box: the order of equal scores is arbitrary
+    (torchvision sorts them with an unstable sort)."""
+    order = list(range(len(out["scores"])))
+    key = [(-s, *bx) for s, bx in zip(out["scores"].tolist(), out["boxes"].tolist())]
+    order.sort(key=lambda i: key[i])
+    idx = torch.tensor(order, dtype=torch.int64, device=out["scores"].device)
+    return {k: v[idx] for k, v in out.items()}
+
+
+def _assert_same(tv_out, dt_out, masks):
+    total = 0
+    for a, b in zip(tv_out, dt_out):
+        a, b = _canonical(a), _canonical(b)
+        assert len(a["boxes"]) == len(b["boxes"])
+        total += len(a["boxes"])
+        assert torch.equal(a["labels"], b["labels"])
+        torch.testing.assert_close(b["boxes"], a["boxes"], rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(b["scores"], a["scores"], rtol=0, atol=1e-4)
+        if masks:
+            assert b["masks"].shape == a["masks"].shape
+            ma, mb = a["masks"] > 0.5, b["masks"] > 0.5
+            inter = (ma & mb).flatten(1).sum(1).float()
+            union = (ma | mb).flatten(1).sum(1).float()
+            iou = torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
+            assert (iou > 0.99).all(), iou.min()
+    assert total > 0, "the nudged model produced no detections: the comparison would be empty"
+    assert len({int(l) for o in tv_out for l in o["labels"]}) > 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask_rcnn_matches_torchvision(tv_mask_rcnn, device):
+    tv = tv_mask_rcnn.to(device)
+    model = from_torchvision(tv).eval()
+    assert model.cfg.INPUT.MIN_SIZE_TEST == MIN_SIZE and model.cfg.MODEL.MASK_ON
+    imgs = _images(device)
+    with torch.no_grad():
+        expected = tv(imgs)
+        got = model(imgs)
+    tv_mask_rcnn.to("cpu")
+    assert any(m["masks"].gt(0.5).any() for m in got)
+    _assert_same(expected, got, masks=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_faster_rcnn_from_state_dict_matches_torchvision(tv_mask_rcnn, device, tmp_path):
+    state = {k: v for k, v in tv_mask_rcnn.state_dict().items() if "mask" not in k}
+    tv = torchvision.models.detection.fasterrcnn_resnet50_fpn(
+        weights=None, weights_backbone=None, min_size=MIN_SIZE, max_size=MAX_SIZE
+    )
+    tv.load_state_dict(state)
+    tv = tv.eval().to(device)
+    path = tmp_path / "faster.pth"
+    torch.save(state, path)
+    tv.roi_heads.detections_per_img = 30
+    model = from_torchvision_state_dict(str(path), mask=False)
+    model.transform.min_size_test, model.transform.max_size_test = MIN_SIZE, MAX_SIZE
+    model.roi_heads.box.post_processor.detections_per_img = 30
+    model = model.to(device)
+    assert not model.cfg.MODEL.MASK_ON
+    imgs = _images(device)
+    with torch.no_grad():
+        expected = tv(imgs)
+        got = model(imgs)
+    assert "masks" not in got[0]
+    _assert_same(expected, got, masks=False)
+
+
+def test_key_mapping_accepts_old_torchvision_layout():
+    assert torchvision_key_to_detops("backbone.fpn.inner_blocks.2.weight") == "backbone.fpn.inner_blocks.2.weight"
+    assert torchvision_key_to_detops("backbone.fpn.inner_blocks.2.0.weight") == "backbone.fpn.inner_blocks.2.weight"
+    assert torchvision_key_to_detops("rpn.head.conv.weight") == "rpn.head.conv.weight"
+    assert torchvision_key_to_detops("rpn.head.conv.0.0.bias") == "rpn.head.conv.bias"
+    assert (torchvision_key_to_detops("roi_heads.mask_head.mask_fcn3.weight")
+            == "roi_heads.mask.feature_extractor.mask_fcn3.weight")
+    assert (torchvision_key_to_detops("roi_heads.mask_head.2.0.weight")
+            == "roi_heads.mask.feature_extractor.mask_fcn3.weight")
+    assert torchvision_key_to_detops("backbone.body.bn1.num_batches_tracked") is None
+    with pytest.raises(KeyError, match="no detops counterpart"):
+        torchvision_key_to_detops("roi_heads.keypoint_head.0.weight")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("DETOPS_SLOW_TESTS") != "1", reason="set DETOPS_SLOW_TESTS=1 (20-60 s on CPU)")
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask_rcnn_matches_torchvision_default_size(device):
+    torch.manual_seed(0)
+    tv = _nudge(torchvision.models.detection.maskrcnn_resnet50_fpn(weights=None, weights_backbone=None)).eval().to(device)
+    model = from_torchvision(tv).eval()
+    assert model.cfg.INPUT.MIN_SIZE_TEST == 800 and model.cfg.INPUT.MAX_SIZE_TEST == 1333
+    imgs = _images(device)
+    with torch.no_grad():
+        _assert_same(tv(imgs), model(imgs), masks=True)
