@@ -186,7 +186,11 @@ class Params {
 };
 
 at::Tensor wrap(const Param& p, at::Device device) {
-  return at::from_blob(p.data, p.shape, at::TensorOptions().dtype(p.dtype).device(device));
+  const auto options = at::TensorOptions().dtype(p.dtype).device(device);
+  // An empty buffer may come with any pointer (often null), which from_blob would reject for a
+  // CUDA device: there is nothing to wrap, so hand out an empty tensor of the same shape.
+  if (p.numel == 0) return at::empty(p.shape, options);
+  return at::from_blob(p.data, p.shape, options);
 }
 
 // Host copies of the float32 scalars of an attrs parameter (which may live on the GPU).
