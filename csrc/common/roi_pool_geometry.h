@@ -121,6 +121,28 @@ DETOPS_HOST_DEVICE_INLINE T roi_pool_lowest() {
   return static_cast<T>(-3.402823466e+38f);
 }
 
+// Maximum of plane over the window [h0, h1) x [w0, w1) (strides s_h, s_w), in acc_t, and its
+// index h * width + w: the first maximum in row-major order wins, and a window whose values
+// are all NaN or below roi_pool_lowest keeps index -1. Both devices call this.
+template <typename acc_t, typename scalar_t>
+DETOPS_HOST_DEVICE_INLINE acc_t roi_pool_max(
+    const scalar_t* plane, int64_t s_h, int64_t s_w, int64_t width, int64_t h0, int64_t h1,
+    int64_t w0, int64_t w1, int64_t& best_idx) {
+  acc_t best = roi_pool_lowest<acc_t>();
+  best_idx = -1;
+  for (int64_t h = h0; h < h1; ++h) {
+    const scalar_t* row = plane + h * s_h;
+    for (int64_t w = w0; w < w1; ++w) {
+      const acc_t v = static_cast<acc_t>(row[w * s_w]);
+      if (v > best) {
+        best = v;
+        best_idx = h * width + w;
+      }
+    }
+  }
+  return best;
+}
+
 }  // namespace geometry
 
 namespace checks {

@@ -78,18 +78,9 @@ void roi_pool_forward_typed(
             a[j] = -1;
             continue;
           }
-          acc_t best = geometry::roi_pool_lowest<acc_t>();
-          int64_t best_idx = -1;
-          for (int64_t h = h0; h < h1; ++h) {
-            const scalar_t* row = plane + h * s_h;
-            for (int64_t w = w0; w < w1; ++w) {
-              const acc_t v = static_cast<acc_t>(row[w * s_w]);
-              if (v > best) {
-                best = v;
-                best_idx = h * width + w;
-              }
-            }
-          }
+          int64_t best_idx;
+          const acc_t best =
+              geometry::roi_pool_max<acc_t>(plane, s_h, s_w, width, h0, h1, w0, w1, best_idx);
           o[j] = static_cast<scalar_t>(best);
           a[j] = static_cast<int32_t>(best_idx);
         }
