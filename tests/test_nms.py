@@ -295,3 +295,27 @@ def test_export_dynamic_box_count():
         lab = torch.randint(0, 3, (size,))
         for got, want in zip(ep.module()(b, s, lab), Post()(b, s, lab)):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nms_large_with_special_boxes(device, dtype):
+    # Enough boxes for the CPU grid path, with boxes it must keep out of the grid (NaN,
+    # infinite, inverted, zero-width, and a few huge ones) mixed in.
+    boxes, scores = clustered_boxes(2000, seed=21, dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    pick = torch.randperm(2000, generator=g)[:60]
+    nan, inf = math.nan, math.inf
+    specials = torch.tensor(
+        [[nan, 0, 10, 10], [0, 0, inf, 500], [-inf, -inf, inf, inf], [500, 500, 400, 600],
+         [300, 300, 300, 400], [0, 0, 1000, 1000], [100, 100, 900, 900], [250, 0, 260, 1000]],
+        dtype=dtype,
+    )
+    boxes[pick] = specials[torch.arange(60) % len(specials)]
+    scores[pick[::7]] = nan
+    for threshold in (0.3, 0.7):
+        got = nms(boxes.to(device), scores.to(device), threshold).cpu()
+        assert torch.equal(got, ref.nms(boxes, scores, threshold))
+    idxs = torch.randint(0, 5, (2000,), generator=g)
+    got = batched_nms(boxes.to(device), scores.to(device), idxs.to(device), 0.5).cpu()
+    assert torch.equal(got, ref.batched_nms(boxes, scores, idxs, 0.5))
