@@ -120,8 +120,11 @@ def make_train_loader(cfg, start_iter: int = 0, max_iter: Optional[int] = None):
     rank, world = _dist_info()
     sampler = IterationBatchSampler(len(dataset), cfg.SOLVER.IMS_PER_BATCH, cfg.SEED, start_iter,
                                     cfg.SOLVER.MAX_ITER if max_iter is None else max_iter, rank, world)
+    # the loader's own generator: iterating it must not draw from the global RNG, whose state a
+    # checkpoint restores (the batch order and augmentations come from the sampler)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                       num_workers=cfg.DATALOADER.NUM_WORKERS)
+                                       num_workers=cfg.DATALOADER.NUM_WORKERS,
+                                       generator=torch.Generator().manual_seed(cfg.SEED))
 
 
 def make_test_loaders(cfg):
@@ -136,6 +139,7 @@ def make_test_loaders(cfg):
             sampler = torch.utils.data.SequentialSampler(ds)
         per_proc = max(1, cfg.TEST.IMS_PER_BATCH // world)
         loader = torch.utils.data.DataLoader(ds, batch_size=per_proc, sampler=sampler, collate_fn=collate,
-                                             num_workers=cfg.DATALOADER.NUM_WORKERS)
+                                             num_workers=cfg.DATALOADER.NUM_WORKERS,
+                                             generator=torch.Generator().manual_seed(cfg.SEED))
         out.append((name, ds, loader))
     return out

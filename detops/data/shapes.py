@@ -7,12 +7,22 @@ stays visible, and an object left with less than a third of its area is dropped)
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Dict, List, Tuple
 
 import numpy as np
 import torch
 
 CLASSES = ("__background__", "circle", "square", "triangle")
+
+
+@lru_cache(maxsize=8)
+def _pixel_centres(size: int):
+    """(yy, xx) [size, size] float32 grids of pixel centres (read-only)."""
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) + 0.5
+    yy.setflags(write=False)
+    xx.setflags(write=False)
+    return yy, xx
 
 
 def _background(rng: np.random.Generator, size: int) -> np.ndarray:
@@ -31,7 +41,7 @@ def _background(rng: np.random.Generator, size: int) -> np.ndarray:
 
 def _shape_mask(kind: int, cx: float, cy: float, s: float, size: int, rng: np.random.Generator) -> np.ndarray:
     """Boolean [size, size] mask of one shape of side (or diameter) s centred at (cx, cy)."""
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) + 0.5
+    yy, xx = _pixel_centres(size)
     r = s / 2
     if kind == 1:  # circle
         return (xx - cx) ** 2 + (yy - cy) ** 2 <= r * r
