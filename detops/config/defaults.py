@@ -37,6 +37,10 @@ _C.MODEL.RESNETS.STEM_OUT_CHANNELS = 64
 _C.MODEL.RESNETS.RES2_OUT_CHANNELS = 256
 # FrozenBatchNorm2d epsilon (torchvision: 1e-5; maskrcnn-benchmark's MSRA weights: 0).
 _C.MODEL.RESNETS.BN_EPS = 1e-5
+# Normalisation layers of the ResNet body: "FrozenBN" (pretrained weights), "BN" (trainable
+# BatchNorm2d) or "GN" (GroupNorm, 32 groups). A body trained from random initialisation needs
+# "BN" or "GN" (and BACKBONE.FREEZE_CONV_BODY_AT: 0).
+_C.MODEL.RESNETS.NORM = "FrozenBN"
 
 _C.MODEL.FPN = CN()
 _C.MODEL.FPN.OUT_CHANNELS = 256
@@ -130,13 +134,34 @@ _C.INPUT.PIXEL_STD = [0.229, 0.224, 0.225]
 _C.INPUT.TO_BGR255 = False
 
 _C.DATASETS = CN()
+# Dataset names (see detops.data.catalog): "shapes_train" / "shapes_val" (synthetic, built in),
+# a name registered in COCO_ROOTS, or a standard COCO name ("coco_2017_train", ...) under DATA_DIR.
 _C.DATASETS.TRAIN = ()
 _C.DATASETS.TEST = ()
+# Root of the standard COCO names: DATA_DIR/coco/{train2017,val2017,annotations/...}
+_C.DATASETS.DATA_DIR = "datasets"
+# Extra COCO-format datasets: a list of (name, image folder, annotation JSON) triples, e.g.
+# [["my_train", "data/imgs", "data/train.json"]]. Relative paths are taken from DATA_DIR's parent
+# (the working directory).
+_C.DATASETS.COCO_ROOTS = []
+# The synthetic shapes dataset (circles, squares, triangles on textured backgrounds)
+_C.DATASETS.SHAPES = CN()
+_C.DATASETS.SHAPES.IMAGE_SIZE = 160
+_C.DATASETS.SHAPES.NUM_TRAIN = 1000
+_C.DATASETS.SHAPES.NUM_VAL = 100
+_C.DATASETS.SHAPES.SEED = 0
+_C.DATASETS.SHAPES.MIN_OBJECTS = 1
+_C.DATASETS.SHAPES.MAX_OBJECTS = 4
+# Object size (side / diameter) in pixels
+_C.DATASETS.SHAPES.MIN_OBJ_SIZE = 15
+_C.DATASETS.SHAPES.MAX_OBJ_SIZE = 60
 
 _C.DATALOADER = CN()
 _C.DATALOADER.NUM_WORKERS = 2
 _C.DATALOADER.SIZE_DIVISIBILITY = 32
 _C.DATALOADER.ASPECT_RATIO_GROUPING = True
+# Probability of a horizontal flip of each training image
+_C.DATALOADER.HFLIP_PROB = 0.5
 
 # ---------------------------------------------------------------------------- #
 # Solver
@@ -155,6 +180,12 @@ _C.SOLVER.WARMUP_ITERS = 500
 _C.SOLVER.WARMUP_METHOD = "linear"
 _C.SOLVER.CHECKPOINT_PERIOD = 2500
 _C.SOLVER.IMS_PER_BATCH = 16
+# Gradient clipping by total norm; 0 turns it off
+_C.SOLVER.CLIP_GRAD_NORM = 0.0
+# Mixed precision (torch.autocast + GradScaler); used only on CUDA
+_C.SOLVER.AMP = False
+# A progress line every LOG_PERIOD iterations
+_C.SOLVER.LOG_PERIOD = 20
 
 _C.TEST = CN()
 _C.TEST.EXPECTED_RESULTS = []
@@ -162,4 +193,11 @@ _C.TEST.EXPECTED_RESULTS_SIGMA_TOL = 4
 _C.TEST.IMS_PER_BATCH = 8
 _C.TEST.DETECTIONS_PER_IMG = 100
 
+# Evaluation: number of images drawn into OUTPUT_DIR/visualization after the final evaluation,
+# and the score a detection needs to be drawn
+_C.TEST.VIS_IMAGES = 6
+_C.TEST.VIS_SCORE_THRESH = 0.5
+
+# Seed of the model initialisation, the data order and the augmentations
+_C.SEED = 0
 _C.OUTPUT_DIR = "."

@@ -27,7 +27,7 @@ def _resnet_fpn(cfg, depth: int) -> nn.Module:
     r = cfg.MODEL.RESNETS
     body = ResNet(depth, freeze_at=cfg.MODEL.BACKBONE.FREEZE_CONV_BODY_AT, stride_in_1x1=r.STRIDE_IN_1X1,
                   num_groups=r.NUM_GROUPS, width_per_group=r.WIDTH_PER_GROUP,
-                  stem_out_channels=r.STEM_OUT_CHANNELS, bn_eps=r.BN_EPS)
+                  stem_out_channels=r.STEM_OUT_CHANNELS, bn_eps=r.BN_EPS, norm=r.NORM)
     top = LastLevelMaxPool() if cfg.MODEL.FPN.USE_MAX_POOL_LEVEL else None
     fpn = FPN(body.out_channels, cfg.MODEL.FPN.OUT_CHANNELS, top_block=top)
     return BodyWithFPN(body, fpn)

@@ -1,4 +1,7 @@
-"""ResNet bodies (18, 34, 50, 101) with frozen BatchNorm, returning the outputs of res2..res5."""
+"""ResNet bodies (18, 34, 50, 101), returning the outputs of res2..res5.
+
+The normalisation layer is FrozenBatchNorm2d by default (pretrained weights); "BN" (trainable
+BatchNorm2d) and "GN" (GroupNorm, 32 groups) let a body train from random initialisation."""
 from __future__ import annotations
 
 from typing import List
@@ -7,6 +10,19 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .frozen_batch_norm import FrozenBatchNorm2d
+
+NORMS = ("FrozenBN", "BN", "GN")
+
+
+def make_norm(kind: str, channels: int, eps: float) -> nn.Module:
+    """The normalisation layer named `kind` ("FrozenBN", "BN" or "GN") for `channels` channels."""
+    if kind == "FrozenBN":
+        return FrozenBatchNorm2d(channels, eps)
+    if kind == "BN":
+        return nn.BatchNorm2d(channels, eps=eps if eps > 0 else 1e-5)
+    if kind == "GN":
+        return nn.GroupNorm(min(32, channels), channels, eps=eps if eps > 0 else 1e-5)
+    raise ValueError(f"ResNet: MODEL.RESNETS.NORM must be one of {NORMS}, got {kind!r}")
 
 # depth -> (block kind, blocks per stage)
 RESNET_SPECS = {
@@ -23,10 +39,10 @@ def _conv(cin: int, cout: int, k: int, stride: int = 1, dilation: int = 1, group
 
 
 class _Downsample(nn.Sequential):
-    """1x1 strided conv + frozen BN on the shortcut when the shape changes."""
+    """1x1 strided conv + norm on the shortcut when the shape changes."""
 
-    def __init__(self, cin: int, cout: int, stride: int, eps: float):
-        super().__init__(_conv(cin, cout, 1, stride), FrozenBatchNorm2d(cout, eps))
+    def __init__(self, cin: int, cout: int, stride: int, eps: float, norm: str = "FrozenBN"):
+        super().__init__(_conv(cin, cout, 1, stride), make_norm(norm, cout, eps))
 
 
 class BasicBlock(nn.Module):
@@ -34,14 +50,14 @@ class BasicBlock(nn.Module):
 
     expansion = 1
 
-    def __init__(self, cin: int, width: int, stride: int, eps: float, **_):
+    def __init__(self, cin: int, width: int, stride: int, eps: float, norm: str = "FrozenBN", **_):
         super().__init__()
         cout = width * self.expansion
         self.conv1 = _conv(cin, width, 3, stride)
-        self.bn1 = FrozenBatchNorm2d(width, eps)
+        self.bn1 = make_norm(norm, width, eps)
         self.conv2 = _conv(width, cout, 3)
-        self.bn2 = FrozenBatchNorm2d(cout, eps)
-        self.downsample = _Downsample(cin, cout, stride, eps) if stride != 1 or cin != cout else None
+        self.bn2 = make_norm(norm, cout, eps)
+        self.downsample = _Downsample(cin, cout, stride, eps, norm) if stride != 1 or cin != cout else None
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -57,18 +73,18 @@ class Bottleneck(nn.Module):
     expansion = 4
 
     def __init__(self, cin: int, width: int, stride: int, eps: float, groups: int = 1,
-                 width_per_group: int = 64, stride_in_1x1: bool = False):
+                 width_per_group: int = 64, stride_in_1x1: bool = False, norm: str = "FrozenBN"):
         super().__init__()
         inner = int(width * (width_per_group / 64.0)) * groups
         cout = width * self.expansion
         s1, s3 = (stride, 1) if stride_in_1x1 else (1, stride)
         self.conv1 = _conv(cin, inner, 1, s1)
-        self.bn1 = FrozenBatchNorm2d(inner, eps)
+        self.bn1 = make_norm(norm, inner, eps)
         self.conv2 = _conv(inner, inner, 3, s3, groups=groups)
-        self.bn2 = FrozenBatchNorm2d(inner, eps)
+        self.bn2 = make_norm(norm, inner, eps)
         self.conv3 = _conv(inner, cout, 1)
-        self.bn3 = FrozenBatchNorm2d(cout, eps)
-        self.downsample = _Downsample(cin, cout, stride, eps) if stride != 1 or cin != cout else None
+        self.bn3 = make_norm(norm, cout, eps)
+        self.downsample = _Downsample(cin, cout, stride, eps, norm) if stride != 1 or cin != cout else None
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -79,12 +95,12 @@ class Bottleneck(nn.Module):
 
 
 class StemWithFixedBatchNorm(nn.Module):
-    """7x7 stride-2 conv, frozen BN, ReLU, 3x3 stride-2 max pool: stride 4 overall."""
+    """7x7 stride-2 conv, norm (frozen BN by default), ReLU, 3x3 stride-2 max pool: stride 4 overall."""
 
-    def __init__(self, out_channels: int, eps: float):
+    def __init__(self, out_channels: int, eps: float, norm: str = "FrozenBN"):
         super().__init__()
         self.conv1 = nn.Conv2d(3, out_channels, 7, stride=2, padding=3, bias=False)
-        self.bn1 = FrozenBatchNorm2d(out_channels, eps)
+        self.bn1 = make_norm(norm, out_channels, eps)
 
     def forward(self, x: Tensor) -> Tensor:
         x = F.relu(self.bn1(self.conv1(x)))
@@ -99,17 +115,21 @@ class ResNet(nn.Module):
         freeze_at (int): stages frozen (requires_grad False): 0 none, 1 stem, 2 stem + res2, ...
         stride_in_1x1, num_groups, width_per_group: bottleneck variants.
         stem_out_channels (int): width of the stem (64).
-        bn_eps (float): frozen BatchNorm epsilon.
+        bn_eps (float): BatchNorm epsilon.
+        norm (str): "FrozenBN" (default), "BN" or "GN".
     """
 
     def __init__(self, depth: int, freeze_at: int = 2, stride_in_1x1: bool = False, num_groups: int = 1,
-                 width_per_group: int = 64, stem_out_channels: int = 64, bn_eps: float = 1e-5):
+                 width_per_group: int = 64, stem_out_channels: int = 64, bn_eps: float = 1e-5,
+                 norm: str = "FrozenBN"):
         super().__init__()
         if depth not in RESNET_SPECS:
             raise ValueError(f"ResNet: depth must be one of {sorted(RESNET_SPECS)}, got {depth}")
+        if norm not in NORMS:
+            raise ValueError(f"ResNet: MODEL.RESNETS.NORM must be one of {NORMS}, got {norm!r}")
         kind, blocks = RESNET_SPECS[depth]
         block = BasicBlock if kind == "basic" else Bottleneck
-        self.stem = StemWithFixedBatchNorm(stem_out_channels, bn_eps)
+        self.stem = StemWithFixedBatchNorm(stem_out_channels, bn_eps, norm)
         cin = stem_out_channels
         self.out_channels: List[int] = []
         for i, n in enumerate(blocks):
@@ -118,7 +138,7 @@ class ResNet(nn.Module):
             for j in range(n):
                 stride = 2 if (j == 0 and i > 0) else 1
                 layers.append(block(cin, width, stride, bn_eps, groups=num_groups,
-                                    width_per_group=width_per_group, stride_in_1x1=stride_in_1x1))
+                                    width_per_group=width_per_group, stride_in_1x1=stride_in_1x1, norm=norm))
                 cin = width * block.expansion
             self.add_module(f"layer{i + 1}", nn.Sequential(*layers))
             self.out_channels.append(cin)
