@@ -26,7 +26,11 @@ def main(argv=None):
         p.error(str(e))
     init_from_env(cfg)
     setup_logger(cfg.OUTPUT_DIR, "log_test.txt")
-    test(cfg, save_pictures=not args.no_pictures)
+    from detops.engine.comm import shutdown_distributed
+    try:
+        test(cfg, save_pictures=not args.no_pictures)
+    finally:
+        shutdown_distributed()
 
 
 if __name__ == "__main__":

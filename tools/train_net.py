@@ -43,7 +43,11 @@ def main(argv=None):
             with open(os.path.join(cfg.OUTPUT_DIR, "last_checkpoint"), "w") as f:
                 f.write(os.path.abspath(args.resume))
         synchronize()
-    train(cfg, resume=not args.no_resume, evaluate_after=not args.skip_test)
+    from detops.engine.comm import shutdown_distributed
+    try:
+        train(cfg, resume=not args.no_resume, evaluate_after=not args.skip_test)
+    finally:
+        shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -60,3 +60,9 @@ def init_distributed(device: str) -> bool:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend)
     return True
+
+
+def shutdown_distributed() -> None:
+    """Tear down the default process group, if one was initialised (end of a torchrun job)."""
+    if is_dist():
+        dist.destroy_process_group()
