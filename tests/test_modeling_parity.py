@@ -4,7 +4,6 @@ The torchvision models are randomly initialised (nothing is downloaded); their h
 so that the RPN and the box classifier produce confident, varied detections and the mask
 logits are not flat. Both models run at the same, reduced input size to keep CPU time low.
 """
-import os
 
 import pytest
 import torch
@@ -144,7 +143,6 @@ def test_key_mapping_accepts_old_torchvision_layout():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("DETOPS_SLOW_TESTS") != "1", reason="set DETOPS_SLOW_TESTS=1 (20-60 s on CPU)")
 @pytest.mark.parametrize("device", DEVICES)
 def test_mask_rcnn_matches_torchvision_default_size(device):
     torch.manual_seed(0)
