@@ -79,6 +79,27 @@ __device__ __forceinline__ acc_t roi_align_bin(
   return sum / r.count;
 }
 
+// Backward of one output element: adds gv times each sample's bilinear weights into one
+// H x W plane of the accumulator, with atomics.
+template <typename acc_t>
+__device__ __forceinline__ void roi_align_scatter_bin(
+    acc_t* __restrict__ plane, const RoIBins<acc_t>& r, int64_t ph, int64_t pw, int64_t height,
+    int64_t width, acc_t gv) {
+  BilinearSample<acc_t> s;
+  for (int64_t iy = 0; iy < r.grid_h; ++iy) {
+    const acc_t y = roi_align::sample_coord(r.start_h, r.bin_h, ph, iy, r.grid_h);
+    for (int64_t ix = 0; ix < r.grid_w; ++ix) {
+      const acc_t x = roi_align::sample_coord(r.start_w, r.bin_w, pw, ix, r.grid_w);
+      if (!roi_align::bilinear_sample(y, x, height, width, s)) continue;
+      const int64_t row_lo = s.y_low * width, row_hi = s.y_high * width;
+      gpuAtomicAdd(plane + row_lo + s.x_low, s.w1 * gv);
+      gpuAtomicAdd(plane + row_lo + s.x_high, s.w2 * gv);
+      gpuAtomicAdd(plane + row_hi + s.x_low, s.w3 * gv);
+      gpuAtomicAdd(plane + row_hi + s.x_high, s.w4 * gv);
+    }
+  }
+}
+
 // Generic forward: one thread per output element (RoI, channel, bin).
 template <typename scalar_t, typename acc_t>
 __global__ void roi_align_forward_kernel(
@@ -345,19 +366,7 @@ __global__ void __launch_bounds__(kTiledThreads) roi_align_backward_tiled_kernel
     const int ph = bin / pooled_width, pw = bin - ph * pooled_width;
     acc_t* plane = planes + c * plane_size;
     if (!fits) {
-      BilinearSample<acc_t> s;
-      for (int64_t iy = 0; iy < r.grid_h; ++iy) {
-        const acc_t y = roi_align::sample_coord(r.start_h, r.bin_h, int64_t{ph}, iy, r.grid_h);
-        for (int64_t ix = 0; ix < r.grid_w; ++ix) {
-          const acc_t x = roi_align::sample_coord(r.start_w, r.bin_w, int64_t{pw}, ix, r.grid_w);
-          if (!roi_align::bilinear_sample(y, x, height, width, s)) continue;
-          const int64_t row_lo = s.y_low * width, row_hi = s.y_high * width;
-          gpuAtomicAdd(plane + row_lo + s.x_low, s.w1 * gv);
-          gpuAtomicAdd(plane + row_lo + s.x_high, s.w2 * gv);
-          gpuAtomicAdd(plane + row_hi + s.x_low, s.w3 * gv);
-          gpuAtomicAdd(plane + row_hi + s.x_high, s.w4 * gv);
-        }
-      }
+      roi_align_scatter_bin(plane, r, int64_t{ph}, int64_t{pw}, height, width, gv);
       continue;
     }
     for (int iy = 0; iy < gh; ++iy) {
@@ -395,20 +404,7 @@ __global__ void roi_align_backward_atomic_kernel(
     const RoIBins<acc_t> r =
         bins_of(roi, scale, pooled_height, pooled_width, sampling_ratio, aligned);
     const acc_t gv = g / r.count;
-    acc_t* plane = grad_input + (b * channels + c) * height * width;
-    BilinearSample<acc_t> s;
-    for (int64_t iy = 0; iy < r.grid_h; ++iy) {
-      const acc_t y = roi_align::sample_coord(r.start_h, r.bin_h, ph, iy, r.grid_h);
-      for (int64_t ix = 0; ix < r.grid_w; ++ix) {
-        const acc_t x = roi_align::sample_coord(r.start_w, r.bin_w, pw, ix, r.grid_w);
-        if (!roi_align::bilinear_sample(y, x, height, width, s)) continue;
-        const int64_t row_lo = s.y_low * width, row_hi = s.y_high * width;
-        gpuAtomicAdd(plane + row_lo + s.x_low, s.w1 * gv);
-        gpuAtomicAdd(plane + row_lo + s.x_high, s.w2 * gv);
-        gpuAtomicAdd(plane + row_hi + s.x_low, s.w3 * gv);
-        gpuAtomicAdd(plane + row_hi + s.x_high, s.w4 * gv);
-      }
-    }
+    roi_align_scatter_bin(grad_input + (b * channels + c) * height * width, r, ph, pw, height, width, gv);
   }
 }
 
