@@ -319,3 +319,61 @@ def test_nms_large_with_special_boxes(device, dtype):
     idxs = torch.randint(0, 5, (2000,), generator=g)
     got = batched_nms(boxes.to(device), scores.to(device), idxs.to(device), 0.5).cpu()
     assert torch.equal(got, ref.batched_nms(boxes, scores, idxs, 0.5))
+
+
+def chain_boxes(n, dtype=torch.float32):
+    """Boxes along a line, each overlapping only its neighbours (IoU 0.6, then 0.33), with
+    decreasing scores: greedy NMS keeps every other box, and each decision depends on the
+    previous one (a dependency chain as long as the input)."""
+    x = torch.arange(n, dtype=torch.float64) * 2.5
+    boxes = torch.stack([x, torch.zeros(n, dtype=torch.float64), x + 10, torch.full((n,), 10.0, dtype=torch.float64)], 1)
+    scores = torch.linspace(1.0, 0.1, n, dtype=torch.float64)
+    return boxes.to(dtype), scores.to(dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sweeps", [None, "0", "1", "3"])
+@pytest.mark.parametrize("n", [1, 70, 1000, 9000])
+def test_nms_cuda_long_chains_and_sweep_limit(monkeypatch, sweeps, n):
+    # The CUDA pass settles boxes in parallel sweeps and finishes in order when the sweep
+    # limit is reached; both must give the greedy result, also on a chain as long as the input.
+    if sweeps is not None:
+        monkeypatch.setenv("DETOPS_NMS_MAX_SWEEPS", sweeps)
+    boxes, scores = chain_boxes(n)
+    got = nms(boxes.cuda(), scores.cuda(), 0.5).cpu()
+    assert torch.equal(got, torch.arange(0, n, 2))
+    for gen in (random_boxes, clustered_boxes):
+        b, s = gen(n, seed=n)
+        assert torch.equal(nms(b.cuda(), s.cuda(), 0.5).cpu(), ref.nms(b, s, 0.5))
+        idxs = torch.randint(0, 7, (n,), generator=torch.Generator().manual_seed(1))
+        assert torch.equal(
+            batched_nms(b.cuda(), s.cuda(), idxs.cuda(), 0.5).cpu(), batched_nms(b, s, idxs, 0.5)
+        )
+    cb, cs = chain_boxes(n)
+    cls = torch.arange(n) % 2  # two interleaved chains that never suppress each other
+    assert torch.equal(batched_nms(cb.cuda(), cs.cuda(), cls.cuda(), 0.5).cpu(), batched_nms(cb, cs, cls, 0.5))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [8191, 8192, 8193, 16384])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nms_cuda_around_the_block_sort_limit(n, dtype):
+    # Up to 8192 boxes the ranking is sorted by one block; above, by torch's sort.
+    boxes, scores = random_boxes(n, seed=n, dtype=dtype)
+    scores = (scores * 8).round() / 8  # many ties: equal scores keep index order
+    scores[::97] = -0.0
+    scores[1::97] = 0.0
+    scores[2::101] = math.nan
+    scores[3::103] = -math.inf
+    scores[4::103] = math.inf
+    got = nms(boxes.cuda(), scores.cuda(), 0.5).cpu()
+    assert torch.equal(got, nms(boxes, scores, 0.5))
+    assert torch.equal(got, ref.nms(boxes, scores, 0.5))
+
+
+@pytest.mark.cuda
+def test_nms_cuda_scores_of_another_dtype():
+    boxes, scores = random_boxes(3000, seed=4)
+    for sdtype in (torch.float16, torch.float64):
+        s = scores.to(sdtype)
+        assert torch.equal(nms(boxes.cuda(), s.cuda(), 0.5).cpu(), nms(boxes, s, 0.5))

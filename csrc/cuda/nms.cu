@@ -1,22 +1,32 @@
 // NMS and batched (per-category) NMS on CUDA.
 //
-// 1. Rank boxes by score (stable, descending); batched NMS then groups the ranking by category
+// 1. Rank boxes by score (descending, ties by index). Up to kMaxBlockSort boxes one block sorts
+//    them in shared memory and writes the ranked boxes in the same kernel; larger inputs use
+//    torch's stable sort and nms_prepare_kernel. Batched NMS then groups the ranking by category
 //    (stable), so each category is a contiguous run of positions.
-// 2. nms_prepare_kernel: boxes in ranked (or category-grouped) order, in the accumulation type.
-// 3. nms_mask_kernel: for every 64x64 tile on or above the diagonal, one bit per pair
-//    (row box, later column box) whose IoU exceeds the threshold, plus a per-row summary of the
-//    nonzero words. Tiles whose row and column boxes share no category are skipped.
-// 4. nms_gather_kernel: one block walks the tiles in order. Warp 0 resolves the 64 boxes of a
-//    tile in registers (the diagonal words travel by shuffle); then all threads OR the nonzero
-//    words of the rows just kept into the suppression words of later tiles. One barrier pair
-//    per tile, not per kept box, and the mask never leaves the device.
-// 5. Plain NMS writes the kept indices directly; batched NMS marks kept ranks and selects them.
-//    The only host sync is the one that sizes the output.
+// 2. nms_mask_kernel: for every 64x64 tile on or below the diagonal, one bit per pair (row box,
+//    earlier column box) whose IoU exceeds the threshold. Only nonzero words are written, and
+//    each sets a bit in its row's summary, so later passes read only those words. Tiles whose
+//    row and column boxes share no category are skipped.
+// 3. nms_fixpoint_kernel (one cooperative launch): greedy NMS is the unique solution of
+//    kept[j] = valid[j] && no kept i < j overlaps j. Every sweep re-evaluates that rule for all
+//    boxes at once, in place. After a sweep in which box p was the first to change, boxes before
+//    p are final, so each sweep finalises at least one more box and typical inputs settle in a
+//    few sweeps. If they have not settled after a bounded number of sweeps, block 0 finishes
+//    the remaining tiles in order. Then the kept boxes are written out in rank order.
+// 4. Plain NMS copies the kept count to the host (the one sync, which a variable-length result
+//    needs). Batched NMS marks kept ranks and selects them.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cooperative_groups.h>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 #include <torch/library.h>
+
+#include <cstdlib>
+#include <limits>
 
 #include "../common/box_iou.h"
 #include "../common/checks.h"
@@ -26,15 +36,108 @@ namespace detops {
 namespace ops {
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kTile = 64;
-constexpr int kGatherThreads = 1024;
 constexpr int kPrepareThreads = 256;
-constexpr int64_t kMaxSharedWords = 48 * 1024 / 8;
-// Largest mask (plus suppression words) the greedy pass copies into shared memory: within the
-// 227 KiB a Hopper or Ampere block may opt into, minus the kernel's static variables.
-constexpr int64_t kMaxSharedMaskBytes = 160 * 1024;
+constexpr int kSortThreads = 1024;
+constexpr int64_t kMaxBlockSort = 8192;
+constexpr int kFixThreads = 512;
+constexpr int kDefaultMaxSweeps = 32;
+constexpr long long kNoChange = std::numeric_limits<long long>::max();
 
 using geometry::iou_above;
+
+// Packed lower-triangular layouts. Row j (tile r = j / 64) has r + 1 mask words (tiles 0..r)
+// and r / 64 + 1 summary words (one bit per mask word).
+__host__ __device__ __forceinline__ int64_t mask_row_offset(int64_t j) {
+  const int64_t r = j / kTile;
+  return int64_t{kTile} * (r * (r + 1) / 2) + (j - r * kTile) * (r + 1);
+}
+
+__host__ __device__ __forceinline__ int64_t summary_row_offset(int64_t j) {
+  const int64_t r = j / kTile;
+  const int64_t q = r / 64, m = r % 64;
+  // sum over tiles r' < r of (r' / 64 + 1)
+  const int64_t before = 64 * (q * (q - 1) / 2) + q * m + r;
+  return int64_t{kTile} * before + (j - r * kTile) * (q + 1);
+}
+
+inline int64_t mask_words(int64_t n) {
+  return n == 0 ? 0 : mask_row_offset(n - 1) + (n - 1) / kTile + 1;
+}
+
+inline int64_t summary_words(int64_t n) {
+  return n == 0 ? 0 : summary_row_offset(n - 1) + (n - 1) / kTile / 64 + 1;
+}
+
+// A key whose unsigned order is the order of the score: NaN lowest (0), -0.0 equal to +0.0.
+__device__ __forceinline__ uint64_t score_key(float s) {
+  if (s != s) return 0;
+  if (s == 0.0f) s = 0.0f;
+  uint32_t u = __float_as_uint(s);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return u;
+}
+
+__device__ __forceinline__ uint64_t score_key(double s) {
+  if (s != s) return 0;
+  if (s == 0.0) s = 0.0;
+  uint64_t u = static_cast<uint64_t>(__double_as_longlong(s));
+  u = (u >> 63) ? ~u : (u | (1ULL << 63));
+  return u;
+}
+
+// One block ranks up to kMaxBlockSort scores (bitonic sort of (key, index) in shared memory:
+// higher score first, equal scores by index, NaN last) and writes, per rank, the original
+// index, the box in the accumulation type and whether the score is a number.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kSortThreads) nms_block_sort_kernel(
+    int64_t n, int size, const scalar_t* __restrict__ scores, int64_t score_stride,
+    const scalar_t* __restrict__ boxes, int64_t stride0, int64_t stride1, int64_t* __restrict__ order,
+    acc_t* __restrict__ sorted_boxes, bool* __restrict__ valid) {
+  extern __shared__ unsigned long long sort_smem[];
+  uint64_t* key = reinterpret_cast<uint64_t*>(sort_smem);
+  int* idx = reinterpret_cast<int*>(key + size);
+  for (int i = threadIdx.x; i < size; i += blockDim.x) {
+    if (i < n) {
+      key[i] = score_key(static_cast<acc_t>(scores[i * score_stride]));
+      idx[i] = i;
+    } else {
+      key[i] = 0;
+      idx[i] = static_cast<int>(n) + i;  // after every real entry, NaN ones included
+    }
+  }
+  __syncthreads();
+  for (int k = 2; k <= size; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < size; i += blockDim.x) {
+        const int p = i ^ j;
+        if (p > i) {
+          const uint64_t ki = key[i], kp = key[p];
+          const int ii = idx[i], ip = idx[p];
+          // `p first`: the entry at p ranks before the one at i.
+          const bool p_first = kp > ki || (kp == ki && ip < ii);
+          if (((i & k) == 0) == p_first) {
+            key[i] = kp;
+            key[p] = ki;
+            idx[i] = ip;
+            idx[p] = ii;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int p = threadIdx.x; p < n; p += blockDim.x) {
+    const int64_t i = idx[p];
+    order[p] = i;
+    valid[p] = key[p] != 0;
+    const scalar_t* b = boxes + i * stride0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sorted_boxes[p * 4 + c] = static_cast<acc_t>(b[c * stride1]);
+  }
+}
 
 // Position p's box, converted to the accumulation type, and whether its score is a number.
 // Boxes may be strided; `rank` maps positions to ranks (nullptr: the same).
@@ -53,23 +156,24 @@ __global__ void nms_prepare_kernel(
   }
 }
 
-// One 64x64 tile of the suppression mask: bit i of mask[row][col_block] says that box
-// col_block * 64 + i ranks after `row` and overlaps it by more than the threshold. Each nonzero
-// word also sets bit col_block of the row's summary, so the serial pass reads only those.
+// One 64x64 tile (row tile >= column tile) of the lower-triangular suppression mask: bit i of
+// row j's word for column tile c says that box c * 64 + i ranks before j and overlaps it by
+// more than the threshold. The grid enumerates the tiles on and below the diagonal.
 template <typename T, bool kClasses>
 __global__ void nms_mask_kernel(
-    int64_t n, int64_t col_blocks, int64_t summary_words, const T* __restrict__ boxes,
-    const int64_t* __restrict__ cls, T threshold, uint64_t* __restrict__ mask,
-    unsigned long long* __restrict__ summary) {
-  const int64_t row_block = blockIdx.y;
-  const int64_t col_block = blockIdx.x;
-  if (col_block < row_block) return;
+    int64_t n, const T* __restrict__ boxes, const int64_t* __restrict__ cls, T threshold,
+    uint64_t* __restrict__ mask, unsigned long long* __restrict__ summary) {
+  const int64_t k = blockIdx.x;
+  int64_t row_block = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(k) + 1.0) - 1.0) / 2.0);
+  while (row_block * (row_block + 1) / 2 > k) --row_block;
+  while ((row_block + 1) * (row_block + 2) / 2 <= k) ++row_block;
+  const int64_t col_block = k - row_block * (row_block + 1) / 2;
   const int64_t row0 = row_block * kTile, col0 = col_block * kTile;
   const int row_size = static_cast<int>(min(n - row0, static_cast<int64_t>(kTile)));
   const int col_size = static_cast<int>(min(n - col0, static_cast<int64_t>(kTile)));
   if (kClasses) {
     // Positions are grouped by category: the tile is empty unless the categories overlap.
-    if (cls[col0] > cls[row0 + row_size - 1]) return;
+    if (cls[col0 + col_size - 1] < cls[row0]) return;
   }
 
   __shared__ T sx1[kTile], sy1[kTile], sx2[kTile], sy2[kTile], sarea[kTile];
@@ -95,8 +199,9 @@ __global__ void nms_mask_kernel(
   // With a threshold >= 0 only intersecting pairs can be above it: test that first and
   // leave the division to the few pairs that do intersect.
   const bool need_overlap = threshold >= T(0);
+  const int end = (row_block == col_block) ? t : col_size;
   uint64_t bits = 0;
-  for (int i = (row_block == col_block) ? t + 1 : 0; i < col_size; ++i) {
+  for (int i = 0; i < end; ++i) {
     if (kClasses && scls[i] != c) continue;
     if (need_overlap && !(geometry::min_of(x2, sx2[i]) > geometry::max_of(x1, sx1[i]) &&
                           geometry::min_of(y2, sy2[i]) > geometry::max_of(y1, sy1[i]))) {
@@ -106,163 +211,214 @@ __global__ void nms_mask_kernel(
       bits |= 1ULL << i;
     }
   }
-  mask[row * col_blocks + col_block] = bits;
-  if (bits) atomicOr(summary + row * summary_words + col_block / 64, 1ULL << (col_block % 64));
+  if (bits) {
+    mask[mask_row_offset(row) + col_block] = bits;
+    atomicOr(summary + summary_row_offset(row) + col_block / 64, 1ULL << (col_block % 64));
+  }
 }
 
-// The greedy pass, in one block, tile by tile. Warp 0 decides the tile's 64 boxes in registers
-// (diagonal words travel by shuffle, and only rows with a nonzero diagonal word can suppress
-// anything); then all threads OR the mask words of the rows just kept into the suppression
-// words of later tiles. One barrier pair per tile. Warp 0 loads the next tile's diagonal words
-// while the other threads push, so that latency is hidden.
-// Plain NMS (rank == nullptr: positions are ranks) writes the kept original indices in order to
-// `out` and their number to `count`; batched NMS marks kept_by_rank instead.
-struct TileWords {
-  uint64_t d0, d1;     // diagonal words of rows base + lane and base + lane + 32
-  uint64_t valid;      // rows that exist and have a score that is a number
-};
-
-__device__ __forceinline__ TileWords load_tile(
-    int64_t blk, int64_t n, int64_t col_blocks, const uint64_t* __restrict__ mask,
-    const bool* __restrict__ valid, int lane) {
-  const int64_t r0 = blk * kTile + lane, r1 = r0 + 32;
-  TileWords t;
-  t.d0 = r0 < n ? mask[r0 * col_blocks + blk] : 0;
-  t.d1 = r1 < n ? mask[r1 * col_blocks + blk] : 0;
-  const uint32_t v0 = __ballot_sync(0xffffffffu, r0 < n && valid[r0]);
-  const uint32_t v1 = __ballot_sync(0xffffffffu, r1 < n && valid[r1]);
-  t.valid = static_cast<uint64_t>(v0) | (static_cast<uint64_t>(v1) << 32);
-  return t;
+// Whether a kept box ranked before j overlaps it, reading `kept` as it is now.
+__device__ __forceinline__ bool suppressed(
+    int64_t j, int64_t first_word, int64_t end_word, const uint64_t* __restrict__ mask,
+    const unsigned long long* __restrict__ summary, const unsigned int* kept) {
+  const unsigned long long* srow = summary + summary_row_offset(j);
+  const uint64_t* mrow = mask + mask_row_offset(j);
+  const auto* kept64 = reinterpret_cast<const unsigned long long*>(kept);
+  for (int64_t sw = first_word; sw < end_word; ++sw) {
+    unsigned long long s = srow[sw];
+    while (s) {
+      const int b = __ffsll(static_cast<long long>(s)) - 1;
+      s &= s - 1;
+      const int64_t w = sw * 64 + b;
+      if (__ldcg(kept64 + w) & mrow[w]) return true;
+    }
+  }
+  return false;
 }
 
-constexpr int kPushUnroll = 4;
-
-template <bool kSharedWords, bool kSharedMask>
-__global__ void __launch_bounds__(kGatherThreads) nms_gather_kernel(
-    int64_t n, int64_t col_blocks, int64_t summary_words, const uint64_t* __restrict__ mask_global,
+// The greedy pass as a fixed point (see the top of the file), then the output. Launched
+// cooperatively. `kept` holds one bit per position in 32-bit words (2 per tile, zero past n);
+// `first_changed` has max_sweeps entries.
+template <bool kBatched>
+__global__ void __launch_bounds__(kFixThreads) nms_fixpoint_kernel(
+    int64_t n, int max_sweeps, const uint64_t* __restrict__ mask,
     const unsigned long long* __restrict__ summary, const bool* __restrict__ valid,
-    const int64_t* __restrict__ rank, const int64_t* __restrict__ order,
-    unsigned long long* __restrict__ removed_global, bool* __restrict__ kept_by_rank,
-    int64_t* __restrict__ out, int64_t* __restrict__ count) {
-  extern __shared__ unsigned long long removed_shared[];
-  unsigned long long* removed = kSharedWords ? removed_shared : removed_global;
-  __shared__ uint64_t kept_word;
-  __shared__ int kept_rows[kTile];
-  for (int64_t j = threadIdx.x; j < col_blocks; j += blockDim.x) removed[j] = 0;
-  // A small mask is copied whole into shared memory (after the suppression words), so that
-  // the serial walk below waits on shared-memory latency instead of global.
-  const uint64_t* mask = mask_global;
-  if (kSharedMask) {
-    uint64_t* m = reinterpret_cast<uint64_t*>(removed_shared + col_blocks);
-    for (int64_t i = threadIdx.x; i < n * col_blocks; i += blockDim.x) m[i] = mask_global[i];
-    mask = m;
-  }
-
+    unsigned int* kept, long long* first_changed, const int64_t* __restrict__ order,
+    const int64_t* __restrict__ rank, int64_t* __restrict__ out, int64_t* __restrict__ count,
+    bool* __restrict__ kept_by_rank) {
+  cg::grid_group grid = cg::this_grid();
   const int lane = threadIdx.x & 31;
-  const bool warp0 = threadIdx.x < 32;
-  TileWords next{};
-  if (warp0) next = load_tile(0, n, col_blocks, mask, valid, lane);
-  __syncthreads();
+  const int64_t warps_per_block = blockDim.x / 32;
+  const int64_t gwarp = blockIdx.x * warps_per_block + threadIdx.x / 32;
+  const int64_t nwarps = gridDim.x * warps_per_block;
+  const int64_t groups = (n + 31) / 32;
+  const int64_t tiles = (n + kTile - 1) / kTile;
 
-  int64_t total = 0;  // kept so far (warp 0)
-  for (int64_t blk = 0; blk < col_blocks; ++blk) {
-    const int64_t base = blk * kTile;
-    if (warp0) {
-      const TileWords cur = next;
-      const uint64_t nonzero = static_cast<uint64_t>(__ballot_sync(0xffffffffu, cur.d0 != 0)) |
-                               (static_cast<uint64_t>(__ballot_sync(0xffffffffu, cur.d1 != 0)) << 32);
-      uint64_t alive = cur.valid & ~static_cast<uint64_t>(removed[blk]);
-      // Rows are upper-triangular: row b only clears bits above b, so visiting the alive rows
-      // with a nonzero word in increasing order decides the tile.
-      uint64_t todo = alive & nonzero;
-      while (todo) {
-        const int bit = __ffsll(static_cast<long long>(todo)) - 1;
-        const uint64_t row = __shfl_sync(0xffffffffu, bit < 32 ? cur.d0 : cur.d1, bit & 31);
-        alive &= ~row;
-        todo &= ~row & (todo - 1);
-      }
-      const uint64_t kept = alive;
-      if (blk + 1 < col_blocks) next = load_tile(blk + 1, n, col_blocks, mask, valid, lane);
+  // Start from every box with a score that is a number.
+  for (int64_t g = gwarp; g < 2 * tiles; g += nwarps) {
+    const int64_t j = g * 32 + lane;
+    const unsigned int word = __ballot_sync(0xffffffffu, j < n && valid[j]);
+    if (lane == 0) __stcg(kept + g, word);
+  }
+  if (blockIdx.x == 0) {
+    for (int s = threadIdx.x; s < max_sweeps; s += blockDim.x) first_changed[s] = kNoChange;
+  }
+  grid.sync();
 
-      const int64_t r0 = base + lane, r1 = r0 + 32;
-      const bool k0 = (kept >> lane) & 1ULL, k1 = (kept >> (lane + 32)) & 1ULL;
-      const int i0 = __popcll(kept & ((1ULL << lane) - 1));
-      const int i1 = __popcll(kept & ((1ULL << (lane + 32)) - 1));
-      if (k0) kept_rows[i0] = lane;
-      if (k1) kept_rows[i1] = lane + 32;
-      if (rank) {
-        if (k0) kept_by_rank[rank[r0]] = true;
-        if (k1) kept_by_rank[rank[r1]] = true;
-      } else {
-        if (k0) out[total + i0] = order[r0];
-        if (k1) out[total + i1] = order[r1];
+  // Sweeps. Boxes before p are final.
+  long long p = 0;
+  bool settled = false;
+  for (int s = 0; s < max_sweeps; ++s) {
+    for (int64_t g = p / 32 + gwarp; g < groups; g += nwarps) {
+      const int64_t j = g * 32 + lane;
+      bool keep = false;
+      if (j < n && valid[j]) {
+        keep = !suppressed(j, 0, j / kTile / 64 + 1, mask, summary, kept);
       }
-      total += __popcll(kept);
-      if (lane == 0) kept_word = kept;
+      const unsigned int word = __ballot_sync(0xffffffffu, keep);
+      if (lane == 0) {
+        const unsigned int old = __ldcg(kept + g);
+        if (old != word) {
+          __stcg(kept + g, word);
+          atomicMin(first_changed + s, static_cast<long long>(g * 32 + __ffs(old ^ word) - 1));
+        }
+      }
     }
+    grid.sync();
+    const long long changed = __ldcg(first_changed + s);
+    if (changed == kNoChange) {
+      settled = true;
+      break;
+    }
+    p = changed;
+  }
+
+  if (!settled && blockIdx.x == 0) {
+    // Finish tile by tile from p's tile: all earlier boxes are final. Each row first pulls the
+    // suppression of the kept boxes in earlier tiles, then warp 0 decides the tile in order.
+    __shared__ unsigned long long tile_suppressed;
+    if (threadIdx.x == 0) tile_suppressed = 0;
     __syncthreads();
-    const int nk = __popcll(kept_word);
-    const int64_t later = col_blocks - blk - 1;  // tiles after this one
-    if (nk && later > 0) {
-      if (rank == nullptr && static_cast<int64_t>(nk) * later <= int64_t{kPushUnroll} * blockDim.x) {
-        // Few words: read them directly, all loads in flight at once. (Plain NMS only: batched
-        // NMS leaves the tiles between unrelated categories unwritten.)
-        const int64_t items = static_cast<int64_t>(nk) * later;
-        for (int64_t item0 = threadIdx.x; item0 < items; item0 += int64_t{kPushUnroll} * blockDim.x) {
-          uint64_t v[kPushUnroll];
-          int64_t js[kPushUnroll];
-#pragma unroll
-          for (int u = 0; u < kPushUnroll; ++u) {
-            const int64_t item = item0 + static_cast<int64_t>(u) * blockDim.x;
-            js[u] = -1;
-            v[u] = 0;
-            if (item < items) {
-              const int64_t row = base + kept_rows[item / later];
-              js[u] = blk + 1 + item % later;
-              v[u] = mask[row * col_blocks + js[u]];
+    const int warp = threadIdx.x / 32;
+    const int nwarp = blockDim.x / 32;
+    for (int64_t blk = p / kTile; blk < tiles; ++blk) {
+      for (int i = warp; i < kTile; i += nwarp) {
+        const int64_t j = blk * kTile + i;
+        bool found = false;
+        if (j < n && valid[j]) {
+          // summary words strictly before the diagonal word's summary bit, split over lanes
+          const unsigned long long* srow = summary + summary_row_offset(j);
+          const uint64_t* mrow = mask + mask_row_offset(j);
+          const auto* kept64 = reinterpret_cast<const unsigned long long*>(kept);
+          for (int64_t sw = lane; sw <= blk / 64 && !found; sw += 32) {
+            unsigned long long sbits = srow[sw];
+            if (sw == blk / 64) sbits &= (1ULL << (blk % 64)) - 1;  // tiles before blk only
+            while (sbits) {
+              const int b = __ffsll(static_cast<long long>(sbits)) - 1;
+              sbits &= sbits - 1;
+              const int64_t w = sw * 64 + b;
+              if (__ldcg(kept64 + w) & mrow[w]) {
+                found = true;
+                break;
+              }
             }
-          }
-#pragma unroll
-          for (int u = 0; u < kPushUnroll; ++u) {
-            if (v[u]) atomicOr(removed + js[u], static_cast<unsigned long long>(v[u]));
           }
         }
-      } else {
-        // Many words: the row summaries name the nonzero ones.
-        const int64_t first_word = (blk + 1) / 64;
-        const int64_t words = summary_words - first_word;
-        const int64_t items = static_cast<int64_t>(nk) * words;
-        for (int64_t item0 = threadIdx.x; item0 < items; item0 += int64_t{kPushUnroll} * blockDim.x) {
-          unsigned long long sw[kPushUnroll];
-          int64_t rows[kPushUnroll], ws[kPushUnroll];
-#pragma unroll
-          for (int u = 0; u < kPushUnroll; ++u) {
-            const int64_t item = item0 + static_cast<int64_t>(u) * blockDim.x;
-            sw[u] = 0;
-            rows[u] = 0;
-            ws[u] = 0;
-            if (item < items) {
-              rows[u] = base + kept_rows[item / words];
-              ws[u] = first_word + item % words;
-              sw[u] = summary[rows[u] * summary_words + ws[u]];
-              if (ws[u] * 64 <= blk) sw[u] &= (~0ULL << (blk - ws[u] * 64)) << 1;  // after blk only
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < kPushUnroll; ++u) {
-            while (sw[u]) {
-              const int bit = __ffsll(static_cast<long long>(sw[u])) - 1;
-              sw[u] &= sw[u] - 1;
-              const int64_t j = ws[u] * 64 + bit;
-              atomicOr(removed + j, static_cast<unsigned long long>(mask[rows[u] * col_blocks + j]));
-            }
-          }
+        if (__any_sync(0xffffffffu, found) && lane == 0) atomicOr(&tile_suppressed, 1ULL << i);
+      }
+      __syncthreads();
+      if (warp == 0) {
+        const int64_t j0 = blk * kTile + lane, j1 = j0 + 32;
+        const uint64_t v = static_cast<uint64_t>(__ballot_sync(0xffffffffu, j0 < n && valid[j0])) |
+                           (static_cast<uint64_t>(__ballot_sync(0xffffffffu, j1 < n && valid[j1])) << 32);
+        const int64_t sw = blk / 64;
+        const unsigned long long sbit = 1ULL << (blk % 64);
+        uint64_t d0 = 0, d1 = 0;
+        if (j0 < n && (summary[summary_row_offset(j0) + sw] & sbit)) d0 = mask[mask_row_offset(j0) + blk];
+        if (j1 < n && (summary[summary_row_offset(j1) + sw] & sbit)) d1 = mask[mask_row_offset(j1) + blk];
+        const uint64_t nonzero = static_cast<uint64_t>(__ballot_sync(0xffffffffu, d0 != 0)) |
+                                 (static_cast<uint64_t>(__ballot_sync(0xffffffffu, d1 != 0)) << 32);
+        uint64_t keep = v & ~static_cast<uint64_t>(tile_suppressed);
+        // Row i's diagonal word holds only earlier rows of the tile, which are decided by the
+        // time i is visited in increasing order.
+        uint64_t todo = keep & nonzero;
+        while (todo) {
+          const int i = __ffsll(static_cast<long long>(todo)) - 1;
+          todo &= todo - 1;
+          const uint64_t d = __shfl_sync(0xffffffffu, i < 32 ? d0 : d1, i & 31);
+          if (d & keep) keep &= ~(1ULL << i);
+        }
+        if (lane == 0) {
+          __stcg(kept + 2 * blk, static_cast<unsigned int>(keep));
+          __stcg(kept + 2 * blk + 1, static_cast<unsigned int>(keep >> 32));
+          tile_suppressed = 0;
         }
       }
+      __syncthreads();
     }
+  }
+  grid.sync();
+
+  if (kBatched) {
+    for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
+         j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      kept_by_rank[rank[j]] = (__ldcg(kept + j / 32) >> (j % 32)) & 1u;
+    }
+    return;
+  }
+  // Kept positions, in order, to `out`: each block writes a contiguous range of words.
+  using Reduce = cub::BlockReduce<int, kFixThreads>;
+  using Scan = cub::BlockScan<int, kFixThreads>;
+  __shared__ union {
+    typename Reduce::TempStorage reduce;
+    typename Scan::TempStorage scan;
+  } temp;
+  __shared__ int base_shared;
+  const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x;
+  const int64_t w0 = min(groups, blockIdx.x * per_block), w1 = min(groups, w0 + per_block);
+  int before = 0;
+  for (int64_t w = threadIdx.x; w < w0; w += blockDim.x) before += __popc(__ldcg(kept + w));
+  before = Reduce(temp.reduce).Sum(before);
+  if (threadIdx.x == 0) base_shared = before;
+  __syncthreads();
+  int64_t base = base_shared;
+  for (int64_t c0 = w0; c0 < w1; c0 += blockDim.x) {
+    const int64_t w = c0 + threadIdx.x;
+    unsigned int word = w < w1 ? __ldcg(kept + w) : 0u;
+    int offset = 0, total = 0;
+    Scan(temp.scan).ExclusiveSum(__popc(word), offset, total);
+    int64_t o = base + offset;
+    while (word) {
+      const int b = __ffs(word) - 1;
+      word &= word - 1;
+      out[o++] = order[w * 32 + b];
+    }
+    base += total;
     __syncthreads();
   }
-  if (threadIdx.x == 0 && count != nullptr) *count = total;
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) *count = base;
+}
+
+int max_sweeps_setting() {
+  // DETOPS_NMS_MAX_SWEEPS bounds the parallel sweeps before the in-order finish (tests set it
+  // low to exercise the finish).
+  const char* env = std::getenv("DETOPS_NMS_MAX_SWEEPS");
+  if (env == nullptr || *env == '\0') return kDefaultMaxSweeps;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  if (end == env || v < 0) return kDefaultMaxSweeps;
+  return static_cast<int>(std::min<long>(v, 1 << 20));
+}
+
+template <bool kBatched>
+int fixpoint_blocks_per_sm() {
+  static const int blocks = [] {
+    int b = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &b, nms_fixpoint_kernel<kBatched>, kFixThreads, 0));
+    return std::max(b, 1);
+  }();
+  return blocks;
 }
 
 at::Tensor nms_cuda_impl(
@@ -280,91 +436,110 @@ at::Tensor nms_cuda_impl(
   }
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const auto long_opts = boxes.options().dtype(at::kLong);
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  const bool batched = idxs != nullptr;
 
-  // rank -> original index, and which ranks have a NaN score.
-  auto sorted_scores = scores.sort(/*stable=*/true, 0, /*descending=*/true);
-  const at::Tensor order = std::get<1>(sorted_scores);
-  const at::Tensor nan_by_rank = std::get<0>(sorted_scores).isnan();
-  at::Tensor pos_orig = order;  // position -> original index
-  at::Tensor rank;              // position -> rank (undefined: the same)
+  int sort_size = 2;
+  while (sort_size < n) sort_size <<= 1;
+  const int64_t sort_smem = static_cast<int64_t>(sort_size) * (sizeof(uint64_t) + sizeof(int));
+  const bool block_sort = !batched && n <= kMaxBlockSort && scores.scalar_type() == boxes.scalar_type() &&
+                          sort_smem <= static_cast<int64_t>(props->sharedMemPerBlockOptin);
+
+  at::Tensor order;     // rank -> original index
+  at::Tensor rank;      // position -> rank (undefined: the same)
   at::Tensor cls_sorted;
-  if (idxs != nullptr) {
-    const at::Tensor cls_by_rank = idxs->to(at::kLong).index_select(0, order);
-    auto by_class = cls_by_rank.sort(/*stable=*/true, 0, /*descending=*/false);
-    cls_sorted = std::get<0>(by_class).contiguous();
-    rank = std::get<1>(by_class).contiguous();
-    pos_orig = order.index_select(0, rank);
-  }
-  const int64_t col_blocks = (n + kTile - 1) / kTile;
-  const int64_t summary_words = (col_blocks + 63) / 64;
-  at::Tensor mask = at::empty({n * col_blocks}, long_opts);
-  at::Tensor summary = at::zeros({n * summary_words}, long_opts);
   at::Tensor valid = at::empty({n}, boxes.options().dtype(at::kBool));
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  at::Tensor mask = at::empty({mask_words(n)}, long_opts);
+  at::Tensor summary = at::zeros({summary_words(n)}, long_opts);
   auto* mask_ptr = reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>());
   auto* summary_ptr = reinterpret_cast<unsigned long long*>(summary.data_ptr<int64_t>());
-  const int64_t* rank_ptr = rank.defined() ? rank.const_data_ptr<int64_t>() : nullptr;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, boxes.scalar_type(), "detops.nms", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     at::Tensor sorted_boxes = at::empty({n, 4}, boxes.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    nms_prepare_kernel<scalar_t, acc_t><<<cuda::grid_for(n, kPrepareThreads), kPrepareThreads, 0, stream>>>(
-        n, boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1),
-        pos_orig.const_data_ptr<int64_t>(), rank_ptr, nan_by_rank.const_data_ptr<bool>(),
-        sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const acc_t thr = geometry::iou_threshold_as<acc_t>(iou_threshold);
-    const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(col_blocks));
-    if (idxs != nullptr) {
-      nms_mask_kernel<acc_t, true><<<grid, kTile, 0, stream>>>(
-          n, col_blocks, summary_words, sorted_boxes.const_data_ptr<acc_t>(),
-          cls_sorted.const_data_ptr<int64_t>(), thr, mask_ptr, summary_ptr);
+    if (block_sort) {
+      order = at::empty({n}, long_opts);
+      auto kernel = nms_block_sort_kernel<scalar_t, acc_t>;
+      if (sort_smem > 48 * 1024) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sort_smem)));
+      }
+      kernel<<<1, kSortThreads, static_cast<size_t>(sort_smem), stream>>>(
+          n, sort_size, scores.const_data_ptr<scalar_t>(), scores.stride(0),
+          boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1), order.data_ptr<int64_t>(),
+          sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
-      nms_mask_kernel<acc_t, false><<<grid, kTile, 0, stream>>>(
-          n, col_blocks, summary_words, sorted_boxes.const_data_ptr<acc_t>(), nullptr, thr,
-          mask_ptr, summary_ptr);
+      auto sorted_scores = scores.sort(/*stable=*/true, 0, /*descending=*/true);
+      order = std::get<1>(sorted_scores);
+      const at::Tensor nan_by_rank = std::get<0>(sorted_scores).isnan();
+      at::Tensor pos_orig = order;  // position -> original index
+      if (batched) {
+        const at::Tensor cls_by_rank = idxs->to(at::kLong).index_select(0, order);
+        auto by_class = cls_by_rank.sort(/*stable=*/true, 0, /*descending=*/false);
+        cls_sorted = std::get<0>(by_class).contiguous();
+        rank = std::get<1>(by_class).contiguous();
+        pos_orig = order.index_select(0, rank);
+      }
+      nms_prepare_kernel<scalar_t, acc_t><<<cuda::grid_for(n, kPrepareThreads), kPrepareThreads, 0, stream>>>(
+          n, boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1),
+          pos_orig.const_data_ptr<int64_t>(), rank.defined() ? rank.const_data_ptr<int64_t>() : nullptr,
+          nan_by_rank.const_data_ptr<bool>(), sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    const acc_t thr = geometry::iou_threshold_as<acc_t>(iou_threshold);
+    const int64_t tile_pairs = tiles * (tiles + 1) / 2;
+    if (batched) {
+      nms_mask_kernel<acc_t, true><<<static_cast<unsigned>(tile_pairs), kTile, 0, stream>>>(
+          n, sorted_boxes.const_data_ptr<acc_t>(), cls_sorted.const_data_ptr<int64_t>(), thr, mask_ptr,
+          summary_ptr);
+    } else {
+      nms_mask_kernel<acc_t, false><<<static_cast<unsigned>(tile_pairs), kTile, 0, stream>>>(
+          n, sorted_boxes.const_data_ptr<acc_t>(), nullptr, thr, mask_ptr, summary_ptr);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 
-  at::Tensor kept_by_rank, out, count;
-  if (idxs != nullptr) {
-    kept_by_rank = at::zeros({n}, boxes.options().dtype(at::kBool));
-  } else {
-    out = at::empty({n}, long_opts);
-    count = at::empty({1}, long_opts);
-  }
-  at::Tensor removed;
-  const bool shared_words = col_blocks <= kMaxSharedWords;
-  if (!shared_words) removed = at::empty({col_blocks}, long_opts);
-  // Plain NMS over few boxes keeps the whole mask in shared memory, as far as this device lets
-  // a block opt into (about 99 KiB on sm_86/89, 163-227 KiB on sm_80/90).
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  const int64_t shared_limit = std::min<int64_t>(
-      kMaxSharedMaskBytes, static_cast<int64_t>(props->sharedMemPerBlockOptin) - 1024);
-  const int64_t shared_mask_bytes = (n * col_blocks + col_blocks) * static_cast<int64_t>(sizeof(uint64_t));
-  const bool shared_mask = idxs == nullptr && shared_mask_bytes <= shared_limit;
-  auto gather = shared_mask ? nms_gather_kernel<true, true>
-                            : (shared_words ? nms_gather_kernel<true, false> : nms_gather_kernel<false, false>);
-  const size_t smem = shared_mask ? static_cast<size_t>(shared_mask_bytes)
-                                  : (shared_words ? col_blocks * sizeof(uint64_t) : 0);
-  if (shared_mask && smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(
-        nms_gather_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(shared_limit)));
-  }
-  gather<<<1, kGatherThreads, smem, stream>>>(
-      n, col_blocks, summary_words, mask_ptr, summary_ptr, valid.const_data_ptr<bool>(), rank_ptr,
-      order.const_data_ptr<int64_t>(),
-      shared_words ? nullptr : reinterpret_cast<unsigned long long*>(removed.data_ptr<int64_t>()),
-      kept_by_rank.defined() ? kept_by_rank.data_ptr<bool>() : nullptr,
-      out.defined() ? out.data_ptr<int64_t>() : nullptr,
-      count.defined() ? count.data_ptr<int64_t>() : nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (idxs != nullptr) {
+  int max_sweeps = max_sweeps_setting();
+  // One allocation: kept words (2 per tile), then one first-change slot per sweep, then (plain
+  // NMS) the output and its count.
+  const int64_t extra = batched ? 0 : n + 1;
+  at::Tensor work = at::empty({tiles + max_sweeps + 1 + extra}, long_opts);
+  int64_t* work_ptr = work.data_ptr<int64_t>();
+  unsigned int* kept = reinterpret_cast<unsigned int*>(work_ptr);
+  long long* first_changed = reinterpret_cast<long long*>(work_ptr + tiles);
+  int64_t* out = batched ? nullptr : work_ptr + tiles + max_sweeps + 1;
+  int64_t* count = batched ? nullptr : out + n;
+  at::Tensor kept_by_rank;
+  if (batched) kept_by_rank = at::empty({n}, boxes.options().dtype(at::kBool));
+  bool* kept_by_rank_ptr = batched ? kept_by_rank.data_ptr<bool>() : nullptr;
+  const int64_t* order_ptr = order.const_data_ptr<int64_t>();
+  const int64_t* rank_ptr = rank.defined() ? rank.const_data_ptr<int64_t>() : nullptr;
+  const uint64_t* mask_cptr = mask_ptr;
+  const unsigned long long* summary_cptr = summary_ptr;
+  const bool* valid_ptr = valid.const_data_ptr<bool>();
+
+  const int per_sm = batched ? fixpoint_blocks_per_sm<true>() : fixpoint_blocks_per_sm<false>();
+  const int64_t wanted = cuda::ceil_div(n, kFixThreads);
+  const int blocks = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(wanted, static_cast<int64_t>(per_sm) * props->multiProcessorCount)));
+  void* args[] = {const_cast<int64_t*>(&n), &max_sweeps, &mask_cptr, &summary_cptr, &valid_ptr, &kept,
+                  &first_changed, &order_ptr, &rank_ptr, &out, &count, &kept_by_rank_ptr};
+  const void* fn = batched ? reinterpret_cast<const void*>(nms_fixpoint_kernel<true>)
+                           : reinterpret_cast<const void*>(nms_fixpoint_kernel<false>);
+  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(fn, dim3(blocks), dim3(kFixThreads), args, 0, stream));
+
+  if (batched) {
     return order.masked_select(kept_by_rank);
   }
   // The one host sync: the number of kept boxes sizes the result.
-  return out.narrow(0, 0, count.item<int64_t>());
+  at::Tensor host_count = at::empty({1}, long_opts.device(at::kCPU).pinned_memory(true));
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      host_count.data_ptr<int64_t>(), count, sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const int64_t kept_count = host_count.data_ptr<int64_t>()[0];
+  return work.narrow(0, tiles + max_sweeps + 1, kept_count);
 }
 
 at::Tensor nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold) {
