@@ -77,6 +77,14 @@ def run(devices: List[str], quick: bool = False) -> List[Row]:
                     torch.use_deterministic_algorithms(True)
                     try:
                         rows.append(compare(f"roi_align fwd+bwd deterministic, {tag}", device, lambda: _fwd_bwd(ours, x, rois, grad), None, **runs))
+                        # the backward op alone (torchvision has no deterministic CUDA backward)
+                        bwd_args = (rois, 0.25, size, size, *shape, 2, True)
+                        rows.append(
+                            compare(
+                                f"roi_align bwd only deterministic, {tag}", device,
+                                lambda: torch.ops.detops._roi_align_backward(grad, *bwd_args), None, **runs,
+                            )
+                        )
                     finally:
                         torch.use_deterministic_algorithms(False)
             if dtype == torch.float32:

@@ -499,3 +499,72 @@ def test_cuda_forward_paths_agree_with_cpu(dtype):
         got = roi_align(xd.cuda(), rd.cuda(), (7, 5), 0.5, sr, aligned)
         assert got.is_contiguous() and got.dtype == dtype
         torch.testing.assert_close(got.cpu().to(expected.dtype), expected, **tol)
+
+
+def _det_case_rois(kind, batch, k, height, width, scale, dtype, seed):
+    """[k, 5] RoIs in image coordinates for the deterministic-backward cases."""
+    g = torch.Generator().manual_seed(seed)
+    img = torch.tensor([width, height], dtype=torch.float64) / scale
+    if kind == "outside":  # corners from 1/2 of the map outside to 1/2 beyond it
+        xy = torch.rand(k, 2, generator=g, dtype=torch.float64) * img * 2 - img / 2
+        wh = torch.rand(k, 2, generator=g, dtype=torch.float64) * img
+    else:  # sides from 1/32 to 1/2 of the image, as the benchmark
+        wh = (torch.rand(k, 2, generator=g, dtype=torch.float64) * (0.5 - 1 / 32) + 1 / 32) * img
+        xy = torch.rand(k, 2, generator=g, dtype=torch.float64) * (img - wh)
+    if kind == "one_image":
+        idx = torch.full((k, 1), float(batch - 1), dtype=torch.float64)
+    else:  # batch indices in random order
+        idx = torch.randint(0, batch, (k, 1), generator=g).double()
+    return torch.cat([idx, xy, xy + wh], 1).to(dtype=dtype, device="cuda")
+
+
+# (kind, batch, channels, height, width, rois, pooled, sampling_ratio, aligned)
+DET_CASES = {
+    "7x7_sr2_aligned": ("random", 2, 8, 40, 48, 300, 7, 2, True),
+    "7x7_adaptive_unaligned": ("random", 3, 5, 40, 48, 120, 7, 0, False),
+    "adaptive_many_samples": ("random", 2, 3, 96, 80, 40, 2, -1, True),
+    "outside": ("outside", 2, 4, 30, 26, 200, 5, 2, False),
+    "many_images": ("random", 7, 6, 24, 20, 150, 7, 2, True),
+    "one_image": ("one_image", 3, 5, 40, 48, 200, 7, 2, True),
+    # 14x14 with hundreds of RoIs in one image: several shared-memory chunks in float64
+    "14x14_chunks": ("one_image", 2, 3, 64, 64, 700, 14, 2, True),
+    "14x14_adaptive": ("random", 2, 9, 50, 60, 250, 14, 0, True),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(DET_CASES))
+def test_cuda_deterministic_backward_cases(dtype, case):
+    kind, batch, channels, height, width, k, pooled, sr, aligned = DET_CASES[case]
+    scale = 0.25
+    rois = _det_case_rois(kind, batch, k, height, width, scale, dtype, seed=len(case))
+    grad = torch.randn(k, channels, pooled, pooled, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grad = grad.to(dtype=dtype, device="cuda")
+    args = (rois, scale, pooled, pooled, batch, channels, height, width, sr, aligned)
+    with deterministic_algorithms(True):
+        a = torch.ops.detops._roi_align_backward(grad, *args)
+        b = torch.ops.detops._roi_align_backward(grad, *args)
+    assert a.shape == (batch, channels, height, width) and a.dtype == dtype and a.is_contiguous()
+    assert torch.equal(a, b)
+    with deterministic_algorithms(False):
+        c = torch.ops.detops._roi_align_backward(grad, *args)
+    ref = torch.ops.detops._roi_align_backward(grad.cpu(), rois.cpu(), *args[1:])
+    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    scale_ref = max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(a.cpu().double(), ref.double(), atol=tol * scale_ref, rtol=0)
+    torch.testing.assert_close(a.double(), c.double(), atol=tol * scale_ref, rtol=0)
+    if kind == "one_image":
+        assert a[: batch - 1].abs().max() == 0
+
+
+@pytest.mark.cuda
+def test_cuda_deterministic_backward_images_without_rois_and_invalid_indices():
+    x = torch.randn(4, 3, 16, 16, device="cuda", requires_grad=True)
+    rois = torch.tensor([[2, 1.0, 1.0, 30.0, 40.0], [0, 10.0, 5.0, 50.0, 60.0], [2, 0.0, 0.0, 64.0, 64.0]], device="cuda")
+    with deterministic_algorithms(True):
+        roi_align(x, rois, 7, 0.25, 2, True).sum().backward()
+    assert x.grad[1].abs().max() == 0 and x.grad[3].abs().max() == 0
+    xc = x.detach().cpu().requires_grad_()
+    roi_align(xc, rois.cpu(), 7, 0.25, 2, True).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), xc.grad, atol=1e-5, rtol=1e-5)

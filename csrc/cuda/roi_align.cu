@@ -18,6 +18,8 @@
 //          sorted order, and writes the element once.
 //     Bit-identical from run to run. The list length is known on the host when
 //     sampling_ratio > 0; with an adaptive grid one sync reads it.
+//     Shapes that fit take the staged gather of roi_align_det.cu first (per-image lists,
+//     gradients staged in shared memory); this path serves the rest.
 // rois[:, 0] must hold integers in [0, B): a RoI whose batch index is not one contributes
 // nothing in every kernel, and an asynchronous device assert reports it without a host sync.
 #include <ATen/ATen.h>
@@ -37,6 +39,13 @@
 
 namespace detops {
 namespace ops {
+
+// roi_align_det.cu: the deterministic backward through a staged gather; false for shapes it
+// does not take, which run the general sort-based path below.
+bool roi_align_backward_deterministic_staged(
+    const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& grad_input);
+
 namespace {
 
 constexpr const char* kForwardOp = "detops.roi_align";
@@ -706,6 +715,11 @@ at::Tensor roi_align_backward_cuda(
 
   if (at::globalContext().deterministicAlgorithms()) {
     at::Tensor grad_input = at::empty({batch_size, channels, height, width}, grad.options());
+    if (roi_align_backward_deterministic_staged(
+            grad, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,
+            grad_input)) {
+      return grad_input;
+    }
     const bool small_keys = batch_size * height * width < std::numeric_limits<int32_t>::max();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, kBackwardOp, [&] {
       if (small_keys) {
