@@ -11,7 +11,9 @@ import torch
 
 from benchmarks.timing import HEADER, environment
 
-SUITES = ["benchmarks.bench_nms", "benchmarks.bench_roi"]
+# bench_detector times only CUDA (its run() skips CPU unless quick: full-size CPU detector
+# iterations take minutes)
+SUITES = ["benchmarks.bench_nms", "benchmarks.bench_roi", "benchmarks.bench_detector"]
 
 
 def main() -> None:

@@ -69,9 +69,8 @@ class BoxCoder:
         pred_ctr_y = dy * heights[:, None] + ctr_y[:, None]
         pred_w = torch.exp(dw) * widths[:, None]
         pred_h = torch.exp(dh) * heights[:, None]
-        half = torch.tensor(0.5, dtype=pred_ctr_x.dtype, device=pred_ctr_x.device)
-        half_w = half * pred_w
-        half_h = half * pred_h
+        half_w = pred_w * 0.5  # exact in every float format, and no host-to-device copy
+        half_h = pred_h * 0.5
         pred = torch.stack(
             (pred_ctr_x - half_w, pred_ctr_y - half_h, pred_ctr_x + half_w, pred_ctr_y + half_h), dim=2
         )

@@ -42,6 +42,7 @@ class Matcher:
         matches[between] = self.BETWEEN_THRESHOLDS
         if all_matches is not None:
             best_per_gt, _ = match_quality_matrix.max(dim=1)
-            pred_idx = torch.where(match_quality_matrix == best_per_gt[:, None])[1]
-            matches[pred_idx] = all_matches[pred_idx]
+            # predictions that tie for some gt's best IoU; a mask, not indices: no host sync
+            ties = (match_quality_matrix == best_per_gt[:, None]).any(dim=0)
+            matches = torch.where(ties, all_matches, matches)
         return matches

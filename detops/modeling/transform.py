@@ -15,27 +15,44 @@ from .roi_heads.mask_head.inference import paste_masks_in_image
 
 def _resize_boxes(boxes: Tensor, original: Tuple[int, int], new: Tuple[int, int]) -> Tensor:
     """Scale xyxy boxes from an image of size original (h, w) to new (h, w)."""
-    rh = torch.tensor(new[0], dtype=torch.float32, device=boxes.device) / torch.tensor(
-        original[0], dtype=torch.float32, device=boxes.device)
-    rw = torch.tensor(new[1], dtype=torch.float32, device=boxes.device) / torch.tensor(
-        original[1], dtype=torch.float32, device=boxes.device)
+    # float32 ratios, computed on the host (no host-to-device copy, no sync)
+    rh = (torch.tensor(float(new[0])) / torch.tensor(float(original[0]))).item()
+    rw = (torch.tensor(float(new[1])) / torch.tensor(float(original[1]))).item()
     x1, y1, x2, y2 = boxes.unbind(1)
     return torch.stack((x1 * rw, y1 * rh, x2 * rw, y2 * rh), dim=1)
 
 
+def _target_boxes(t: Any) -> Optional[Tensor]:
+    boxes = t.bbox if isinstance(t, BoxList) else t.get("boxes") if isinstance(t, dict) else None
+    return boxes if isinstance(boxes, Tensor) else None
+
+
+def _degenerate(boxes: Tensor) -> Tensor:
+    return (boxes[:, 2] <= boxes[:, 0]) | (boxes[:, 3] <= boxes[:, 1])
+
+
 def check_targets(targets: List[Any]) -> None:
-    """Reject malformed targets with a message naming the image and the box."""
+    """Reject malformed targets with a message naming the image and the box. The degenerate-box
+    test of the whole batch costs one host read (not one per image)."""
+    xyxy = []
     for i, t in enumerate(targets):
-        boxes = t.bbox if isinstance(t, BoxList) else t.get("boxes") if isinstance(t, dict) else None
-        if boxes is None or not isinstance(boxes, Tensor):
+        boxes = _target_boxes(t)
+        if boxes is None:
             raise ValueError(f"GeneralizedRCNN: target {i} must be a dict with a 'boxes' tensor (or a BoxList)")
         if boxes.dim() != 2 or boxes.shape[-1] != 4:
             if boxes.numel() == 0:
                 continue
             raise ValueError(f"GeneralizedRCNN: target {i}: boxes must be a [N, 4] tensor, got {list(boxes.shape)}")
-        if isinstance(t, BoxList) and t.mode != "xyxy":
-            continue
-        bad = torch.where((boxes[:, 2] <= boxes[:, 0]) | (boxes[:, 3] <= boxes[:, 1]))[0]
+        labels = t.get_field("labels") if isinstance(t, BoxList) and t.has_field("labels") else \
+            None if isinstance(t, BoxList) else t.get("labels")
+        if labels is None or labels.shape[0] != boxes.shape[0]:
+            raise ValueError(f"GeneralizedRCNN: target {i} needs one label per box ('labels' of shape [{boxes.shape[0]}])")
+        if boxes.numel() > 0 and not (isinstance(t, BoxList) and t.mode != "xyxy"):
+            xyxy.append((i, boxes))
+    if not xyxy or not bool(torch.stack([_degenerate(b).any() for _, b in xyxy]).any()):
+        return
+    for i, boxes in xyxy:
+        bad = torch.where(_degenerate(boxes))[0]
         if bad.numel() > 0:
             j = int(bad[0])
             raise ValueError(
@@ -43,9 +60,6 @@ def check_targets(targets: List[Any]) -> None:
                 f"{boxes[j].tolist()}; boxes must be x1, y1, x2, y2 with x2 > x1 and y2 > y1 "
                 f"({bad.numel()} such box(es) in this image)"
             )
-        labels = t.get_field("labels") if isinstance(t, BoxList) else t.get("labels")
-        if labels is None or labels.shape[0] != boxes.shape[0]:
-            raise ValueError(f"GeneralizedRCNN: target {i} needs one label per box ('labels' of shape [{boxes.shape[0]}])")
 
 
 class GeneralizedRCNNTransform(nn.Module):
@@ -72,15 +86,21 @@ class GeneralizedRCNNTransform(nn.Module):
         self.image_std = list(image_std)
         self.size_divisible = size_divisible
         self.to_bgr255 = to_bgr255
+        self._mean_std = {}
 
     def normalize(self, image: Tensor) -> Tensor:
         if not image.is_floating_point():
             raise TypeError(f"GeneralizedRCNN: images must be float tensors in [0, 1], got {image.dtype}")
         if self.to_bgr255:
             image = image[[2, 1, 0]] * 255
-        mean = torch.as_tensor(self.image_mean, dtype=image.dtype, device=image.device)
-        std = torch.as_tensor(self.image_std, dtype=image.dtype, device=image.device)
-        return (image - mean[:, None, None]) / std[:, None, None]
+        key = (image.dtype, image.device)
+        if key not in self._mean_std:  # one host-to-device copy per dtype and device
+            self._mean_std[key] = (
+                torch.as_tensor(self.image_mean, dtype=image.dtype, device=image.device)[:, None, None],
+                torch.as_tensor(self.image_std, dtype=image.dtype, device=image.device)[:, None, None],
+            )
+        mean, std = self._mean_std[key]
+        return (image - mean) / std
 
     def resize(self, image: Tensor, target: Optional[Dict[str, Tensor]]):
         h, w = image.shape[-2:]
@@ -89,13 +109,17 @@ class GeneralizedRCNNTransform(nn.Module):
         else:
             size, max_size = self.min_size_test, self.max_size_test
         scale = min(float(size) / min(h, w), float(max_size) / max(h, w))
-        image = F.interpolate(image[None], scale_factor=scale, mode="bilinear", recompute_scale_factor=True,
-                              align_corners=False)[0]
+        # the size F.interpolate would produce; an image of that size already is returned as it
+        # is (resampling to the same size copies every pixel unchanged)
+        same = int(h * scale) == h and int(w * scale) == w
+        if not same:
+            image = F.interpolate(image[None], scale_factor=scale, mode="bilinear", recompute_scale_factor=True,
+                                  align_corners=False)[0]
         if target is None:
             return image, None
         target = dict(target)
         target["boxes"] = _resize_boxes(target["boxes"], (h, w), tuple(image.shape[-2:]))
-        if "masks" in target:
+        if "masks" in target and not same:
             m = target["masks"]
             target["masks"] = F.interpolate(m[:, None].float(), scale_factor=scale, recompute_scale_factor=True)[:, 0].byte()
         return image, target

@@ -27,7 +27,8 @@ class FrozenBatchNorm2d(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         scale = self.weight.reshape(1, -1, 1, 1) * (self.running_var.reshape(1, -1, 1, 1) + self.eps).rsqrt()
         shift = self.bias.reshape(1, -1, 1, 1) - self.running_mean.reshape(1, -1, 1, 1) * scale
-        return x * scale + shift
+        # one pass over x (shift + x * scale), instead of a multiply and then an add
+        return torch.addcmul(shift, x, scale)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

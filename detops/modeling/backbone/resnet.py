@@ -61,9 +61,9 @@ class BasicBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
-        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu_(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return F.relu(out + identity)
+        return F.relu_(out + identity)
 
 
 class Bottleneck(nn.Module):
@@ -88,10 +88,10 @@ class Bottleneck(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = F.relu(self.bn2(self.conv2(out)))
+        out = F.relu_(self.bn1(self.conv1(x)))
+        out = F.relu_(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
-        return F.relu(out + identity)
+        return F.relu_(out + identity)
 
 
 class StemWithFixedBatchNorm(nn.Module):
@@ -103,7 +103,7 @@ class StemWithFixedBatchNorm(nn.Module):
         self.bn1 = make_norm(norm, out_channels, eps)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu_(self.bn1(self.conv1(x)))
         return F.max_pool2d(x, kernel_size=3, stride=2, padding=1)
 
 

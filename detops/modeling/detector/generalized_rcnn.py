@@ -14,6 +14,9 @@ from ..rpn import build_rpn
 from ..transform import build_transform, check_targets
 
 
+MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
+
+
 @META_ARCH_REGISTRY.register("GeneralizedRCNN")
 class GeneralizedRCNN(nn.Module):
     """Faster / Mask R-CNN.
@@ -29,6 +32,11 @@ class GeneralizedRCNN(nn.Module):
         loss_box_reg, loss_mask).
         eval: list (one per image) of dicts with "boxes" [K, 4], "labels" [K], "scores" [K] and,
         with masks, "masks" [K, 1, H, W] (probabilities), in the input images' coordinates.
+
+    With MODEL.MEMORY_FORMAT "channels_last" (or "auto" on a CUDA input) the model runs its
+    convolutions in channels_last: the first such forward converts the 4-d weights in place,
+    the FPN levels come out channels_last and the RoI poolers read them without a copy.
+    Otherwise the weights are kept (or put back) in the contiguous layout.
     """
 
     def __init__(self, cfg):
@@ -39,6 +47,25 @@ class GeneralizedRCNN(nn.Module):
         self.rpn = build_rpn(cfg, self.backbone.out_channels)
         self.roi_heads = build_roi_heads(cfg, self.backbone.out_channels)
         self.mask_threshold = cfg.MODEL.ROI_MASK_HEAD.POSTPROCESS_MASKS_THRESHOLD
+        if cfg.MODEL.MEMORY_FORMAT not in MEMORY_FORMATS:
+            raise ValueError(
+                f"GeneralizedRCNN: MODEL.MEMORY_FORMAT must be one of {MEMORY_FORMATS}, got {cfg.MODEL.MEMORY_FORMAT!r}")
+        self.memory_format = cfg.MODEL.MEMORY_FORMAT
+
+    def channels_last(self, device: torch.device) -> bool:
+        """Whether the convolutions run in channels_last on `device` (MODEL.MEMORY_FORMAT)."""
+        return self.memory_format == "channels_last" or (self.memory_format == "auto" and device.type == "cuda")
+
+    def _convert_weights(self, fmt: torch.memory_format) -> None:
+        """Give every 4-d weight the layout `fmt` (in place: parameters keep their identity, so
+        optimizers and hooks still see them). Nothing to do when the layout is already right."""
+        for m in self.modules():
+            w = getattr(m, "weight", None)
+            if isinstance(w, Tensor) and w.dim() == 4 and not w.is_contiguous(memory_format=fmt):
+                with torch.no_grad():
+                    w.data = w.data.contiguous(memory_format=fmt)
+                    if w.grad is not None:
+                        w.grad.data = w.grad.data.contiguous(memory_format=fmt)
 
     def forward(self, images: List[Tensor], targets: Optional[List[Union[Dict[str, Tensor], BoxList]]] = None):
         if self.training:
@@ -49,7 +76,13 @@ class GeneralizedRCNN(nn.Module):
             check_targets(targets)
         original_sizes = [tuple(img.shape[-2:]) for img in images]
         image_list, boxlists = self.transform(images, targets if self.training else None)
-        features = self.backbone(image_list.tensors)
+        x = image_list.tensors
+        if self.channels_last(x.device):
+            self._convert_weights(torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last)
+        else:
+            self._convert_weights(torch.contiguous_format)
+        features = self.backbone(x)
         proposals, losses = self.rpn(image_list, features, boxlists)
         if self.roi_heads is None:
             detections = proposals

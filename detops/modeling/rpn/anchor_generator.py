@@ -31,7 +31,8 @@ class AnchorGenerator(nn.Module):
             torchvision does; this is what its weights were trained with).
 
     forward(image_list, feature_maps) -> list (one per image) of Tensor[sum_l H_l*W_l*A_l, 4];
-    within a level, anchors are ordered location-major (row, column), then cell anchor.
+    within a level, anchors are ordered location-major (row, column), then cell anchor. The
+    tensors are cached per feature-map size and shared: treat them as read-only.
     """
 
     def __init__(self, sizes, aspect_ratios, strides: Optional[Sequence[int]] = None):
@@ -44,6 +45,9 @@ class AnchorGenerator(nn.Module):
         self.aspect_ratios = [tuple(a) for a in aspect_ratios]
         self.strides = None if strides is None else list(strides)
         self.cell_anchors = [generate_cell_anchors(s, a) for s, a in zip(self.sizes, self.aspect_ratios)]
+        # anchors of each (grid sizes, strides, device) seen: a batch of the same size as the
+        # last one needs no kernels and no host-to-device copy
+        self._cache = {}
 
     def num_anchors_per_location(self) -> List[int]:
         return [len(s) * len(a) for s, a in zip(self.sizes, self.aspect_ratios)]
@@ -73,7 +77,13 @@ class AnchorGenerator(nn.Module):
         else:
             strides = [(s, s) for s in self.strides]
         device = feature_maps[0].device
-        anchors = torch.cat(self.grid_anchors(grid_sizes, strides, device), dim=0)
+        key = (tuple(grid_sizes), tuple(strides), str(device))
+        anchors = self._cache.get(key)
+        if anchors is None:
+            anchors = torch.cat(self.grid_anchors(grid_sizes, strides, device), dim=0)
+            if len(self._cache) >= 16:
+                self._cache.clear()
+            self._cache[key] = anchors
         return [anchors for _ in range(len(image_list.image_sizes))]
 
 
