@@ -56,6 +56,7 @@ def run(devices: List[str], quick: bool = False) -> List[Row]:
         )
         if device == "cuda" or not quick:
             rows.append(_per_image_case(device))
+            rows.append(_padded_case(device))
     return rows
 
 
@@ -78,6 +79,33 @@ def _per_image_case(device: str) -> Row:
         "batched_nms, 8 images x 4.7k clustered in one call vs a per-image loop, IoU 0.7", device,
         lambda: detops.ops.batched_nms(boxes, scores, image, 0.7),
         tv_loop,
+        **_runs(device),
+    )
+
+
+def _padded_case(device: str) -> Row:
+    """nms_padded on an RPN-like batch [8, 4700, 4] (score filter 0.05, top 1000 per image) vs
+    the per-image loop it replaces: torchvision NMS on each image's passing boxes, cut to 1000."""
+    batch, n, max_output, iou, score_thr = 8, 4700, 1000, 0.7, 0.05
+    parts = [clustered_boxes(n, seed=100 + b) for b in range(batch)]
+    boxes = torch.stack([p[0] for p in parts]).to(device)
+    scores = torch.stack([p[1] for p in parts]).to(device)
+
+    def torchvision_loop():
+        out = torch.full((batch, max_output), -1, dtype=torch.int64, device=device)
+        for b in range(batch):
+            passing = torch.nonzero(scores[b] > score_thr).flatten()
+            keep = passing[torchvision.ops.nms(boxes[b, passing], scores[b, passing], iou)][:max_output]
+            out[b, : keep.numel()] = keep
+        return out
+
+    got = detops.ops.nms_padded(boxes, scores, iou, score_thr, max_output)[0]
+    want = torchvision_loop()
+    assert torch.equal(got.sort(1).values, want.sort(1).values)
+    return compare(
+        f"nms_padded, {batch} x {n} clustered, score > {score_thr}, top {max_output}, IoU {iou}", device,
+        lambda: detops.ops.nms_padded(boxes, scores, iou, score_thr, max_output),
+        torchvision_loop,
         **_runs(device),
     )
 

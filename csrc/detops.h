@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <limits>
 #include <tuple>
 
 namespace detops {
@@ -20,6 +21,15 @@ at::Tensor nms(const at::Tensor& boxes, const at::Tensor& scores, double iou_thr
 at::Tensor batched_nms(
     const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& idxs,
     double iou_threshold);
+
+// Fixed-shape batched NMS, free of host syncs on CUDA (CUDA-graph capturable). boxes [B, N, 4],
+// scores [B, N]. Per image, the boxes with score > score_threshold (NaN scores never pass) go
+// through greedy NMS as in `nms`; the first max_output kept are returned. Returns
+// (indices [B, max_output] int64: positions into N by decreasing score, padded with -1;
+//  counts [B] int64: the number of valid entries of each row).
+std::tuple<at::Tensor, at::Tensor> nms_padded(
+    const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold,
+    double score_threshold = -std::numeric_limits<double>::infinity(), int64_t max_output = 100);
 
 // RoIAlign. input [B, C, H, W], rois [K, 5] (batch index, x1, y1, x2, y2) -> [K, C, PH, PW].
 at::Tensor roi_align(

@@ -4,6 +4,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <string>
 
 #include "common/checks.h"
@@ -24,6 +25,9 @@
 TORCH_LIBRARY(detops, m) {
   m.def("nms(Tensor boxes, Tensor scores, float iou_threshold) -> Tensor");
   m.def("batched_nms(Tensor boxes, Tensor scores, Tensor idxs, float iou_threshold) -> Tensor");
+  m.def(
+      "nms_padded(Tensor boxes, Tensor scores, float iou_threshold, float score_threshold, "
+      "int max_output) -> (Tensor, Tensor)");
   m.def(
       "roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
       "SymInt pooled_width, int sampling_ratio, bool aligned) -> Tensor");
@@ -57,7 +61,7 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/)
 }  // namespace
 
 TORCH_LIBRARY_IMPL(detops, CUDA, m) {
-  for (const char* name : {"nms", "batched_nms", "roi_align", "_roi_align_backward", "roi_pool",
+  for (const char* name : {"nms", "batched_nms", "nms_padded", "roi_align", "_roi_align_backward", "roi_pool",
                            "_roi_pool_backward"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   }
@@ -85,6 +89,14 @@ at::Tensor batched_nms(
   static auto op = op_handle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
       "detops::batched_nms");
   return op.call(boxes, scores, idxs, iou_threshold);
+}
+
+std::tuple<at::Tensor, at::Tensor> nms_padded(
+    const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold,
+    double score_threshold, int64_t max_output) {
+  static auto op = op_handle<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, double, double, int64_t)>("detops::nms_padded");
+  return op.call(boxes, scores, iou_threshold, score_threshold, max_output);
 }
 
 at::Tensor roi_align(
@@ -152,6 +164,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scores"), py::arg("threshold"));
   m.def("batched_nms", &detops::ops::batched_nms, "per-category NMS", py::arg("boxes"),
         py::arg("scores"), py::arg("idxs"), py::arg("threshold"));
+  m.def("nms_padded", &detops::ops::nms_padded,
+        "fixed-shape batched NMS: (indices [B, max_output] padded with -1, counts [B])",
+        py::arg("boxes"), py::arg("scores"), py::arg("iou_threshold"),
+        py::arg("score_threshold") = -std::numeric_limits<double>::infinity(),
+        py::arg("max_output") = 100);
   m.def("roi_align_forward", &detops::ops::roi_align, "RoIAlign forward", py::arg("input"),
         py::arg("rois"), py::arg("spatial_scale"), py::arg("pooled_height"),
         py::arg("pooled_width"), py::arg("sampling_ratio"), py::arg("aligned") = false);

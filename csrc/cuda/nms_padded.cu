@@ -1,0 +1,329 @@
+// Fixed-shape batched NMS on CUDA, with no host synchronisation: every size comes from the
+// input shapes and max_output, so the op can be captured in a CUDA graph.
+//
+// 1. nms_padded_key_kernel: key[b, i] = score (float32, float64 for float64 scores) when it is
+//    above score_threshold, else -inf. Passing scores are > -inf, so they all sort first.
+// 2. torch's stable descending sort of each row of keys: order[b, p] = position in N of rank p.
+// 3. nms_padded_count_kernel: nvalid[b], the number of passing boxes (the last rank p with a
+//    key > -inf writes p + 1; a row with none writes 0 at p = 0).
+// 4. nms_padded_gather_kernel: boxes in rank order, in the accumulation type.
+// 5. nms_padded_mask_kernel: for every 64x64 tile on or above the diagonal of each image whose
+//    rows and columns are below nvalid[b], one bit per pair (row box, later column box) whose
+//    IoU exceeds the threshold. The grid covers the worst case (all N valid); tiles past
+//    nvalid[b] exit at once and are never read.
+// 6. nms_padded_greedy_kernel: one block per image walks its tiles in order. Warp 0 decides a
+//    tile's 64 boxes in registers (diagonal words travel by shuffle); then all threads OR the
+//    mask words of the rows just kept into the suppression words of later tiles. It stops once
+//    max_output boxes are kept, and writes indices (positions in N), -1 padding and the count.
+//
+// Memory: the mask holds B * N * ceil(N / 64) 64-bit words (B * N * ceil(N / 64) * 8 bytes:
+// 22 MB for B = 8, N = 4700; 400 MB for B = 8, N = 20000). The suppression words of one image
+// live in shared memory, which bounds N at 6144 * 64 = 393,216.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <limits>
+#include <tuple>
+
+#include "../common/box_iou.h"
+#include "../common/nms_padded_checks.h"
+#include "cuda_helpers.h"
+
+namespace detops {
+namespace ops {
+namespace {
+
+constexpr const char* kOp = "detops.nms_padded";
+constexpr int kTile = 64;
+constexpr int kPrepareThreads = 256;
+constexpr int kGreedyThreads = 512;
+// Suppression words of one image in (static-limit) shared memory: 48 KiB of 64-bit words.
+constexpr int64_t kMaxColBlocks = 48 * 1024 / 8;
+constexpr int64_t kMaxBoxes = kMaxColBlocks * kTile;
+
+// key = score if score > thr (thr from iou_threshold_as: exact comparison), else -inf.
+template <typename score_t, typename key_t>
+__global__ void nms_padded_key_kernel(
+    int64_t batch, int64_t n, const score_t* __restrict__ scores, int64_t stride0,
+    int64_t stride1, key_t thr, key_t neg_inf, key_t* __restrict__ key) {
+  const int64_t total = batch * n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = i / n, p = i - b * n;
+    const key_t v = static_cast<key_t>(scores[b * stride0 + p * stride1]);
+    // NaN fails the comparison. -0 becomes +0: a radix sort would rank +0 before -0, but they
+    // are equal scores and must keep their original order.
+    key[i] = v > thr ? (v == key_t(0) ? key_t(0) : v) : neg_inf;
+  }
+}
+
+// nvalid[b]: passing keys are > -inf and sorted first, so exactly one rank p of each row writes.
+template <typename key_t>
+__global__ void nms_padded_count_kernel(
+    int64_t batch, int64_t n, const key_t* __restrict__ sorted_key, key_t neg_inf,
+    int64_t* __restrict__ nvalid) {
+  const int64_t total = batch * n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = i / n, p = i - b * n;
+    if (sorted_key[i] > neg_inf) {
+      if (p == n - 1 || !(sorted_key[i + 1] > neg_inf)) nvalid[b] = p + 1;
+    } else if (p == 0) {
+      nvalid[b] = 0;
+    }
+  }
+}
+
+// sorted_boxes[b, p] = boxes[b, order[b, p]] in the accumulation type (boxes may be strided).
+template <typename box_t, typename acc_t>
+__global__ void nms_padded_gather_kernel(
+    int64_t batch, int64_t n, const box_t* __restrict__ boxes, int64_t stride0, int64_t stride1,
+    int64_t stride2, const int64_t* __restrict__ order, acc_t* __restrict__ sorted_boxes) {
+  const int64_t total = batch * n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = i / n;
+    const box_t* src = boxes + b * stride0 + order[i] * stride1;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sorted_boxes[i * 4 + c] = static_cast<acc_t>(src[c * stride2]);
+  }
+}
+
+// One 64x64 tile of one image's mask: bit i of mask[b][row][col_block] says that the box of
+// rank col_block * 64 + i ranks after `row` and overlaps it by more than the threshold.
+// blockIdx.x = b * col_blocks + col_block, blockIdx.y = row_block; 64 threads.
+template <typename T>
+__global__ void __launch_bounds__(kTile) nms_padded_mask_kernel(
+    int64_t n, int64_t col_blocks, const T* __restrict__ sorted_boxes,
+    const int64_t* __restrict__ nvalid, T threshold, uint64_t* __restrict__ mask) {
+  const int64_t b = blockIdx.x / col_blocks;
+  const int64_t col_block = blockIdx.x - b * col_blocks;
+  const int64_t row_block = blockIdx.y;
+  if (col_block < row_block) return;
+  const int64_t nv = nvalid[b];
+  const int64_t row0 = row_block * kTile, col0 = col_block * kTile;
+  if (col0 >= nv) return;  // col0 >= row0, so the rows are past nv too (or the tile is unused)
+  const int row_size = static_cast<int>(min(nv - row0, static_cast<int64_t>(kTile)));
+  const int col_size = static_cast<int>(min(nv - col0, static_cast<int64_t>(kTile)));
+  const T* img = sorted_boxes + b * n * 4;
+
+  __shared__ T sx1[kTile], sy1[kTile], sx2[kTile], sy2[kTile], sarea[kTile];
+  const int t = threadIdx.x;
+  if (t < col_size) {
+    const T* c = img + (col0 + t) * 4;
+    sx1[t] = c[0];
+    sy1[t] = c[1];
+    sx2[t] = c[2];
+    sy2[t] = c[3];
+    sarea[t] = geometry::box_area(c[0], c[1], c[2], c[3]);
+  }
+  __syncthreads();
+  if (t >= row_size) return;
+
+  const int64_t row = row0 + t;
+  const T* r = img + row * 4;
+  const T x1 = r[0], y1 = r[1], x2 = r[2], y2 = r[3];
+  const T area = geometry::box_area(x1, y1, x2, y2);
+  // With a threshold >= 0 only intersecting pairs can be above it: test that first and
+  // leave the division to the pairs that do intersect.
+  const bool need_overlap = threshold >= T(0);
+  uint64_t bits = 0;
+  for (int i = (row_block == col_block) ? t + 1 : 0; i < col_size; ++i) {
+    if (need_overlap && !(geometry::min_of(x2, sx2[i]) > geometry::max_of(x1, sx1[i]) &&
+                          geometry::min_of(y2, sy2[i]) > geometry::max_of(y1, sy1[i]))) {
+      continue;
+    }
+    if (geometry::iou_above(x1, y1, x2, y2, area, sx1[i], sy1[i], sx2[i], sy2[i], sarea[i], threshold)) {
+      bits |= 1ULL << i;
+    }
+  }
+  mask[(b * n + row) * col_blocks + col_block] = bits;
+}
+
+// The lowest `count` set bits of `bits` (count <= popcount(bits)).
+__device__ __forceinline__ uint64_t lowest_set_bits(uint64_t bits, int count) {
+  uint64_t out = 0;
+  for (int k = 0; k < count; ++k) {
+    const uint64_t low = bits & (0ULL - bits);
+    out |= low;
+    bits ^= low;
+  }
+  return out;
+}
+
+// The greedy pass of image b = blockIdx.x, tile by tile, until max_output boxes are kept.
+// Dynamic shared memory: col_blocks suppression words.
+__global__ void __launch_bounds__(kGreedyThreads) nms_padded_greedy_kernel(
+    int64_t n, int64_t col_blocks, const uint64_t* __restrict__ mask,
+    const int64_t* __restrict__ order, const int64_t* __restrict__ nvalid, int64_t max_output,
+    int64_t* __restrict__ out, int64_t* __restrict__ counts) {
+  extern __shared__ unsigned long long removed[];
+  __shared__ unsigned long long kept_word;
+  __shared__ int kept_rows[kTile];
+
+  const int64_t b = blockIdx.x;
+  const int64_t nv = nvalid[b];
+  const int64_t tiles = (nv + kTile - 1) / kTile;
+  const uint64_t* mask_b = mask + b * n * col_blocks;
+  const int64_t* order_b = order + b * n;
+  int64_t* out_b = out + b * max_output;
+
+  for (int64_t j = threadIdx.x; j < tiles; j += blockDim.x) removed[j] = 0;
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31;
+  const bool warp0 = threadIdx.x < 32;
+  int64_t total = 0;  // kept so far; the same in every thread
+  for (int64_t blk = 0; blk < tiles && total < max_output; ++blk) {
+    const int64_t base = blk * kTile;
+    if (warp0) {
+      const int64_t r0 = base + lane, r1 = r0 + 32;
+      const uint64_t d0 = r0 < nv ? mask_b[r0 * col_blocks + blk] : 0;
+      const uint64_t d1 = r1 < nv ? mask_b[r1 * col_blocks + blk] : 0;
+      const int64_t rows = nv - base;  // >= 1
+      const uint64_t in_range = rows >= kTile ? ~0ULL : ((1ULL << rows) - 1);
+      uint64_t alive = in_range & ~static_cast<uint64_t>(removed[blk]);
+      const uint64_t nonzero = static_cast<uint64_t>(__ballot_sync(0xffffffffu, d0 != 0)) |
+                               (static_cast<uint64_t>(__ballot_sync(0xffffffffu, d1 != 0)) << 32);
+      // Diagonal words are upper-triangular (row i only has bits above i): visiting the alive
+      // rows with a nonzero word in increasing order decides the tile. `todo` is the same in
+      // every lane, so the shuffles below are uniform.
+      uint64_t todo = alive & nonzero;
+      while (todo) {
+        const int bit = __ffsll(static_cast<long long>(todo)) - 1;
+        const uint64_t row = __shfl_sync(0xffffffffu, bit < 32 ? d0 : d1, bit & 31);
+        alive &= ~row;
+        todo &= ~row & (todo - 1);
+      }
+      uint64_t kept = alive;
+      const int64_t room = max_output - total;  // >= 1
+      const int nk = __popcll(kept);
+      if (nk > room) kept = lowest_set_bits(kept, static_cast<int>(room));
+
+      const bool k0 = (kept >> lane) & 1ULL, k1 = (kept >> (lane + 32)) & 1ULL;
+      const int i0 = __popcll(kept & ((1ULL << lane) - 1));
+      const int i1 = __popcll(kept & ((1ULL << (lane + 32)) - 1));
+      if (k0) {
+        kept_rows[i0] = lane;
+        out_b[total + i0] = order_b[r0];
+      }
+      if (k1) {
+        kept_rows[i1] = lane + 32;
+        out_b[total + i1] = order_b[r1];
+      }
+      if (lane == 0) kept_word = kept;
+    }
+    __syncthreads();
+    const int nk = __popcll(kept_word);
+    total += nk;
+    const int64_t later = tiles - blk - 1;  // tiles after this one
+    if (nk > 0 && later > 0 && total < max_output) {
+      const int64_t items = static_cast<int64_t>(nk) * later;
+      for (int64_t item = threadIdx.x; item < items; item += blockDim.x) {
+        const int64_t row = base + kept_rows[item / later];
+        const int64_t j = blk + 1 + item % later;
+        const uint64_t v = mask_b[row * col_blocks + j];
+        if (v) atomicOr(removed + j, static_cast<unsigned long long>(v));
+      }
+    }
+    __syncthreads();
+  }
+  for (int64_t k = total + threadIdx.x; k < max_output; k += blockDim.x) out_b[k] = -1;
+  if (threadIdx.x == 0) counts[b] = total;
+}
+
+std::tuple<at::Tensor, at::Tensor> nms_padded_cuda(
+    const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold,
+    double score_threshold, int64_t max_output) {
+  checks::check_nms_padded_inputs(kOp, boxes, scores, iou_threshold, score_threshold, max_output);
+  checks::check_device(kOp, "boxes", boxes, at::kCUDA);
+  const int64_t batch = boxes.size(0), n = boxes.size(1);
+  DETOPS_CHECK(
+      n <= kMaxBoxes, kOp, ": at most ", kMaxBoxes, " boxes per image on CUDA, got boxes ",
+      checks::shape_str(boxes));
+  c10::cuda::CUDAGuard guard(boxes.device());
+  const auto long_opts = boxes.options().dtype(at::kLong);
+  if (batch == 0 || n == 0 || max_output == 0) {
+    return {at::full({batch, max_output}, -1, long_opts), at::zeros({batch}, long_opts)};
+  }
+
+  const int64_t col_blocks = (n + kTile - 1) / kTile;
+  const int64_t words_per_image = n * col_blocks;  // <= 393216 * 6144: no overflow
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  const int64_t max_words = static_cast<int64_t>(props->totalGlobalMem / sizeof(uint64_t));
+  DETOPS_CHECK(
+      batch <= max_words / words_per_image, kOp, ": the suppression mask for B = ", batch,
+      " images of N = ", n, " boxes needs B * N * ceil(N / 64) * 8 = ",
+      static_cast<double>(batch) * static_cast<double>(words_per_image) * 8.0,
+      " bytes, more than this GPU's ", static_cast<int64_t>(props->totalGlobalMem),
+      " bytes; split the batch or lower N");
+  DETOPS_CHECK(
+      batch * col_blocks <= std::numeric_limits<int32_t>::max(), kOp,
+      ": too many images for one launch, got boxes ", checks::shape_str(boxes));
+
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::ScalarType key_type = scores.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor key = at::empty({batch, n}, scores.options().dtype(key_type));
+  const unsigned prep_grid = cuda::grid_for(batch * n, kPrepareThreads);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), kOp, [&] {
+    using key_t = at::opmath_type<scalar_t>;
+    nms_padded_key_kernel<scalar_t, key_t><<<prep_grid, kPrepareThreads, 0, stream>>>(
+        batch, n, scores.const_data_ptr<scalar_t>(), scores.stride(0), scores.stride(1),
+        geometry::iou_threshold_as<key_t>(score_threshold),
+        -std::numeric_limits<key_t>::infinity(), key.data_ptr<key_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+
+  // Stable, descending, per row: ties keep their original order (torch's sort runs on the
+  // current stream and does not synchronize).
+  auto sorted = key.sort(/*stable=*/true, /*dim=*/1, /*descending=*/true);
+  const at::Tensor sorted_key = std::get<0>(sorted).contiguous();
+  const at::Tensor order = std::get<1>(sorted).contiguous();
+
+  at::Tensor nvalid = at::empty({batch}, long_opts);
+  AT_DISPATCH_FLOATING_TYPES(key_type, kOp, [&] {
+    nms_padded_count_kernel<scalar_t><<<prep_grid, kPrepareThreads, 0, stream>>>(
+        batch, n, sorted_key.const_data_ptr<scalar_t>(), -std::numeric_limits<scalar_t>::infinity(),
+        nvalid.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+
+  at::Tensor mask = at::empty({batch * words_per_image}, long_opts);
+  auto* mask_ptr = reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, boxes.scalar_type(), kOp, [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    at::Tensor sorted_boxes =
+        at::empty({batch, n, 4}, boxes.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    nms_padded_gather_kernel<scalar_t, acc_t><<<prep_grid, kPrepareThreads, 0, stream>>>(
+        batch, n, boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1),
+        boxes.stride(2), order.const_data_ptr<int64_t>(), sorted_boxes.data_ptr<acc_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const dim3 grid(static_cast<unsigned>(batch * col_blocks), static_cast<unsigned>(col_blocks));
+    nms_padded_mask_kernel<acc_t><<<grid, kTile, 0, stream>>>(
+        n, col_blocks, sorted_boxes.const_data_ptr<acc_t>(), nvalid.const_data_ptr<int64_t>(),
+        geometry::iou_threshold_as<acc_t>(iou_threshold), mask_ptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+
+  at::Tensor out = at::empty({batch, max_output}, long_opts);
+  at::Tensor counts = at::empty({batch}, long_opts);
+  const size_t smem = static_cast<size_t>(col_blocks) * sizeof(unsigned long long);
+  nms_padded_greedy_kernel<<<static_cast<unsigned>(batch), kGreedyThreads, smem, stream>>>(
+      n, col_blocks, mask_ptr, order.const_data_ptr<int64_t>(), nvalid.const_data_ptr<int64_t>(),
+      max_output, out.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, counts};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(detops, CUDA, m) {
+  m.impl("nms_padded", TORCH_FN(nms_padded_cuda));
+}
+
+}  // namespace ops
+}  // namespace detops
