@@ -8,12 +8,12 @@
 //    earlier column box) whose IoU exceeds the threshold. Only nonzero words are written, and
 //    each sets a bit in its row's summary, so later passes read only those words. Tiles whose
 //    row and column boxes share no category are skipped.
-// 3. nms_fixpoint_kernel (one cooperative launch): greedy NMS is the unique solution of
-//    kept[j] = valid[j] && no kept i < j overlaps j. Every sweep re-evaluates that rule for all
-//    boxes at once, in place. After a sweep in which box p was the first to change, boxes before
-//    p are final, so each sweep finalises at least one more box and typical inputs settle in a
-//    few sweeps. If they have not settled after a bounded number of sweeps, block 0 finishes
-//    the remaining tiles in order. Then the kept boxes are written out in rank order.
+// 3. nms_dataflow_kernel (one cooperative launch): greedy NMS keeps box j when no kept box
+//    before it overlaps it. A box is decided as soon as that is known: suppressed once a kept
+//    earlier box overlaps it, kept once every overlapping earlier box is decided and suppressed.
+//    Each warp owns 32 positions and decides them in rank order as their inputs arrive from
+//    the other warps, so decisions flow along the suppression chains with no grid-wide
+//    barrier per step. Then the kept boxes are written out in rank order.
 // 4. Plain NMS copies the kept count to the host (the one sync, which a variable-length result
 //    needs). Batched NMS marks kept ranks and selects them.
 #include <ATen/ATen.h>
@@ -23,10 +23,9 @@
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cuda/atomic>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <limits>
 
 #include "../common/box_iou.h"
 #include "../common/checks.h"
@@ -43,8 +42,6 @@ constexpr int kPrepareThreads = 256;
 constexpr int kSortThreads = 1024;
 constexpr int64_t kMaxBlockSort = 8192;
 constexpr int kFixThreads = 512;
-constexpr int kDefaultMaxSweeps = 32;
-constexpr long long kNoChange = std::numeric_limits<long long>::max();
 
 using geometry::iou_above;
 
@@ -90,13 +87,16 @@ __device__ __forceinline__ uint64_t score_key(double s) {
 
 // One block ranks up to kMaxBlockSort scores (bitonic sort of (key, index) in shared memory:
 // higher score first, equal scores by index, NaN last) and writes, per rank, the original
-// index, the box in the accumulation type and whether the score is a number.
+// index, the box in the accumulation type and whether the score is a number. Also clears the
+// mask's row summaries.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kSortThreads) nms_block_sort_kernel(
     int64_t n, int size, const scalar_t* __restrict__ scores, int64_t score_stride,
     const scalar_t* __restrict__ boxes, int64_t stride0, int64_t stride1, int64_t* __restrict__ order,
-    acc_t* __restrict__ sorted_boxes, bool* __restrict__ valid) {
+    acc_t* __restrict__ sorted_boxes, bool* __restrict__ valid, unsigned long long* __restrict__ summary,
+    int64_t summary_size) {
   extern __shared__ unsigned long long sort_smem[];
+  for (int64_t i = threadIdx.x; i < summary_size; i += blockDim.x) summary[i] = 0;
   uint64_t* key = reinterpret_cast<uint64_t*>(sort_smem);
   int* idx = reinterpret_cast<int*>(key + size);
   for (int i = threadIdx.x; i < size; i += blockDim.x) {
@@ -140,13 +140,18 @@ __global__ void __launch_bounds__(kSortThreads) nms_block_sort_kernel(
 }
 
 // Position p's box, converted to the accumulation type, and whether its score is a number.
-// Boxes may be strided; `rank` maps positions to ranks (nullptr: the same).
+// Boxes may be strided; `rank` maps positions to ranks (nullptr: the same). Also clears the
+// mask's row summaries.
 template <typename scalar_t, typename acc_t>
 __global__ void nms_prepare_kernel(
     int64_t n, const scalar_t* __restrict__ boxes, int64_t stride0, int64_t stride1,
     const int64_t* __restrict__ pos_orig, const int64_t* __restrict__ rank,
     const bool* __restrict__ score_is_nan_by_rank, acc_t* __restrict__ sorted_boxes,
-    bool* __restrict__ valid) {
+    bool* __restrict__ valid, unsigned long long* __restrict__ summary, int64_t summary_size) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < summary_size;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    summary[i] = 0;
+  }
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < n;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const scalar_t* b = boxes + pos_orig[p] * stride0;
@@ -217,35 +222,26 @@ __global__ void nms_mask_kernel(
   }
 }
 
-// Whether a kept box ranked before j overlaps it, reading `kept` as it is now.
-__device__ __forceinline__ bool suppressed(
-    int64_t j, int64_t first_word, int64_t end_word, const uint64_t* __restrict__ mask,
-    const unsigned long long* __restrict__ summary, const unsigned int* kept) {
-  const unsigned long long* srow = summary + summary_row_offset(j);
-  const uint64_t* mrow = mask + mask_row_offset(j);
-  const auto* kept64 = reinterpret_cast<const unsigned long long*>(kept);
-  for (int64_t sw = first_word; sw < end_word; ++sw) {
-    unsigned long long s = srow[sw];
-    while (s) {
-      const int b = __ffsll(static_cast<long long>(s)) - 1;
-      s &= s - 1;
-      const int64_t w = sw * 64 + b;
-      if (__ldcg(kept64 + w) & mrow[w]) return true;
-    }
-  }
-  return false;
+__device__ __forceinline__ unsigned long long load_acquire(unsigned long long* p) {
+  return ::cuda::atomic_ref<unsigned long long, ::cuda::thread_scope_device>(*p).load(
+      ::cuda::std::memory_order_acquire);
 }
 
-// The greedy pass as a fixed point (see the top of the file), then the output. Launched
-// cooperatively. `kept` holds one bit per position in 32-bit words (2 per tile, zero past n);
-// `first_changed` has max_sweeps entries.
+__device__ __forceinline__ unsigned long long load_relaxed(unsigned long long* p) {
+  return ::cuda::atomic_ref<unsigned long long, ::cuda::thread_scope_device>(*p).load(
+      ::cuda::std::memory_order_relaxed);
+}
+
+// The greedy pass as a dataflow over the mask (see the top of the file), then the output.
+// Launched cooperatively, so every block is resident and may wait on the others. Per tile,
+// `decided` and `kept` hold one bit per position (a warp owns 32 positions, half a word):
+// a kept box's bit in `kept` is published before its bit in `decided` (release / acquire).
 template <bool kBatched>
-__global__ void __launch_bounds__(kFixThreads) nms_fixpoint_kernel(
-    int64_t n, int max_sweeps, const uint64_t* __restrict__ mask,
-    const unsigned long long* __restrict__ summary, const bool* __restrict__ valid,
-    unsigned int* kept, long long* first_changed, const int64_t* __restrict__ order,
-    const int64_t* __restrict__ rank, int64_t* __restrict__ out, int64_t* __restrict__ count,
-    bool* __restrict__ kept_by_rank) {
+__global__ void __launch_bounds__(kFixThreads) nms_dataflow_kernel(
+    int64_t n, const uint64_t* __restrict__ mask, const unsigned long long* __restrict__ summary,
+    const bool* __restrict__ valid, unsigned long long* kept, unsigned long long* decided,
+    const int64_t* __restrict__ order, const int64_t* __restrict__ rank, int64_t* __restrict__ out,
+    int64_t* __restrict__ count, bool* __restrict__ kept_by_rank) {
   cg::grid_group grid = cg::this_grid();
   const int lane = threadIdx.x & 31;
   const int64_t warps_per_block = blockDim.x / 32;
@@ -253,116 +249,97 @@ __global__ void __launch_bounds__(kFixThreads) nms_fixpoint_kernel(
   const int64_t nwarps = gridDim.x * warps_per_block;
   const int64_t groups = (n + 31) / 32;
   const int64_t tiles = (n + kTile - 1) / kTile;
+  auto* kept32 = reinterpret_cast<unsigned int*>(kept);
+  auto* decided32 = reinterpret_cast<unsigned int*>(decided);
 
-  // Start from every box with a score that is a number.
+  // Positions past n and boxes whose score is NaN are decided (not kept) from the start.
   for (int64_t g = gwarp; g < 2 * tiles; g += nwarps) {
     const int64_t j = g * 32 + lane;
-    const unsigned int word = __ballot_sync(0xffffffffu, j < n && valid[j]);
-    if (lane == 0) __stcg(kept + g, word);
-  }
-  if (blockIdx.x == 0) {
-    for (int s = threadIdx.x; s < max_sweeps; s += blockDim.x) first_changed[s] = kNoChange;
+    const unsigned int live = __ballot_sync(0xffffffffu, j < n && valid[j]);
+    if (lane == 0) {
+      kept32[g] = 0u;
+      decided32[g] = ~live;
+    }
   }
   grid.sync();
 
-  // Sweeps. Boxes before p are final.
-  long long p = 0;
-  bool settled = false;
-  for (int s = 0; s < max_sweeps; ++s) {
-    for (int64_t g = p / 32 + gwarp; g < groups; g += nwarps) {
+  // A box is suppressed once a kept box before it overlaps it, and kept once every box before
+  // it that overlaps it is decided and not kept. The earliest undecided box can always be
+  // decided, so the loop ends. Within its 32 positions a warp decides in rank order.
+  bool all_done = false;
+  while (!all_done) {
+    all_done = true;
+    bool progress = false;
+    for (int64_t g = gwarp; g < groups; g += nwarps) {
+      const int shift = static_cast<int>(g & 1) * 32;
+      const unsigned int dec = static_cast<unsigned int>(load_acquire(decided + g / 2) >> shift);
+      if (dec == 0xffffffffu) continue;
+      all_done = false;
+      const unsigned int kept_now = static_cast<unsigned int>(load_relaxed(kept + g / 2) >> shift);
       const int64_t j = g * 32 + lane;
-      bool keep = false;
-      if (j < n && valid[j]) {
-        keep = !suppressed(j, 0, j / kTile / 64 + 1, mask, summary, kept);
-      }
-      const unsigned int word = __ballot_sync(0xffffffffu, keep);
-      if (lane == 0) {
-        const unsigned int old = __ldcg(kept + g);
-        if (old != word) {
-          __stcg(kept + g, word);
-          atomicMin(first_changed + s, static_cast<long long>(g * 32 + __ffs(old ^ word) - 1));
-        }
-      }
-    }
-    grid.sync();
-    const long long changed = __ldcg(first_changed + s);
-    if (changed == kNoChange) {
-      settled = true;
-      break;
-    }
-    p = changed;
-  }
-
-  if (!settled && blockIdx.x == 0) {
-    // Finish tile by tile from p's tile: all earlier boxes are final. Each row first pulls the
-    // suppression of the kept boxes in earlier tiles, then warp 0 decides the tile in order.
-    __shared__ unsigned long long tile_suppressed;
-    if (threadIdx.x == 0) tile_suppressed = 0;
-    __syncthreads();
-    const int warp = threadIdx.x / 32;
-    const int nwarp = blockDim.x / 32;
-    for (int64_t blk = p / kTile; blk < tiles; ++blk) {
-      for (int i = warp; i < kTile; i += nwarp) {
-        const int64_t j = blk * kTile + i;
-        bool found = false;
-        if (j < n && valid[j]) {
-          // summary words strictly before the diagonal word's summary bit, split over lanes
-          const unsigned long long* srow = summary + summary_row_offset(j);
-          const uint64_t* mrow = mask + mask_row_offset(j);
-          const auto* kept64 = reinterpret_cast<const unsigned long long*>(kept);
-          for (int64_t sw = lane; sw <= blk / 64 && !found; sw += 32) {
-            unsigned long long sbits = srow[sw];
-            if (sw == blk / 64) sbits &= (1ULL << (blk % 64)) - 1;  // tiles before blk only
-            while (sbits) {
-              const int b = __ffsll(static_cast<long long>(sbits)) - 1;
-              sbits &= sbits - 1;
-              const int64_t w = sw * 64 + b;
-              if (__ldcg(kept64 + w) & mrow[w]) {
-                found = true;
-                break;
-              }
+      bool ext_kept = false, ext_pending = false;
+      unsigned int in_group = 0;  // overlapping earlier positions of this warp's 32
+      if (!((dec >> lane) & 1u)) {
+        const int64_t r = j / kTile;
+        const unsigned long long* srow = summary + summary_row_offset(j);
+        const uint64_t* mrow = mask + mask_row_offset(j);
+        for (int64_t sw = 0; sw <= r / 64 && !ext_kept; ++sw) {
+          unsigned long long sbits = srow[sw];
+          while (sbits) {
+            const int b = __ffsll(static_cast<long long>(sbits)) - 1;
+            sbits &= sbits - 1;
+            const int64_t w = sw * 64 + b;
+            uint64_t m = mrow[w];
+            if (w == r) {
+              in_group = static_cast<unsigned int>(m >> shift);
+              m &= ~(0xffffffffULL << shift);
+              if (!m) continue;
             }
+            const unsigned long long d = load_acquire(decided + w);
+            const unsigned long long k = load_relaxed(kept + w);
+            if (m & d & k) {
+              ext_kept = true;
+              break;
+            }
+            if (m & ~d) ext_pending = true;
           }
         }
-        if (__any_sync(0xffffffffu, found) && lane == 0) atomicOr(&tile_suppressed, 1ULL << i);
       }
-      __syncthreads();
-      if (warp == 0) {
-        const int64_t j0 = blk * kTile + lane, j1 = j0 + 32;
-        const uint64_t v = static_cast<uint64_t>(__ballot_sync(0xffffffffu, j0 < n && valid[j0])) |
-                           (static_cast<uint64_t>(__ballot_sync(0xffffffffu, j1 < n && valid[j1])) << 32);
-        const int64_t sw = blk / 64;
-        const unsigned long long sbit = 1ULL << (blk % 64);
-        uint64_t d0 = 0, d1 = 0;
-        if (j0 < n && (summary[summary_row_offset(j0) + sw] & sbit)) d0 = mask[mask_row_offset(j0) + blk];
-        if (j1 < n && (summary[summary_row_offset(j1) + sw] & sbit)) d1 = mask[mask_row_offset(j1) + blk];
-        const uint64_t nonzero = static_cast<uint64_t>(__ballot_sync(0xffffffffu, d0 != 0)) |
-                                 (static_cast<uint64_t>(__ballot_sync(0xffffffffu, d1 != 0)) << 32);
-        uint64_t keep = v & ~static_cast<uint64_t>(tile_suppressed);
-        // Row i's diagonal word holds only earlier rows of the tile, which are decided by the
-        // time i is visited in increasing order.
-        uint64_t todo = keep & nonzero;
-        while (todo) {
-          const int i = __ffsll(static_cast<long long>(todo)) - 1;
-          todo &= todo - 1;
-          const uint64_t d = __shfl_sync(0xffffffffu, i < 32 ? d0 : d1, i & 31);
-          if (d & keep) keep &= ~(1ULL << i);
+      const unsigned int ext_kept_b = __ballot_sync(0xffffffffu, ext_kept);
+      const unsigned int pending_b = __ballot_sync(0xffffffffu, ext_pending);
+      unsigned int dec_new = dec, kept_new = kept_now;
+      for (int l = 0; l < 32; ++l) {
+        if ((dec_new >> l) & 1u) continue;
+        const unsigned int ig = __shfl_sync(0xffffffffu, in_group, l);
+        if (((ext_kept_b >> l) & 1u) || (ig & kept_new)) {
+          dec_new |= 1u << l;  // suppressed
+        } else if (!((pending_b >> l) & 1u) && !(ig & ~dec_new)) {
+          dec_new |= 1u << l;  // kept
+          kept_new |= 1u << l;
         }
+      }
+      if (dec_new != dec) {
+        progress = true;
         if (lane == 0) {
-          __stcg(kept + 2 * blk, static_cast<unsigned int>(keep));
-          __stcg(kept + 2 * blk + 1, static_cast<unsigned int>(keep >> 32));
-          tile_suppressed = 0;
+          if (kept_new != kept_now) {
+            ::cuda::atomic_ref<unsigned long long, ::cuda::thread_scope_device>(kept[g / 2])
+                .fetch_or(static_cast<unsigned long long>(kept_new & ~kept_now) << shift,
+                          ::cuda::std::memory_order_relaxed);
+          }
+          ::cuda::atomic_ref<unsigned long long, ::cuda::thread_scope_device>(decided[g / 2])
+              .fetch_or(static_cast<unsigned long long>(dec_new & ~dec) << shift,
+                        ::cuda::std::memory_order_release);
         }
       }
-      __syncthreads();
     }
+    if (!all_done && !progress) __nanosleep(100);
   }
   grid.sync();
 
   if (kBatched) {
     for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
          j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      kept_by_rank[rank[j]] = (__ldcg(kept + j / 32) >> (j % 32)) & 1u;
+      kept_by_rank[rank[j]] = (__ldcg(kept32 + j / 32) >> (j % 32)) & 1u;
     }
     return;
   }
@@ -377,14 +354,14 @@ __global__ void __launch_bounds__(kFixThreads) nms_fixpoint_kernel(
   const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x;
   const int64_t w0 = min(groups, blockIdx.x * per_block), w1 = min(groups, w0 + per_block);
   int before = 0;
-  for (int64_t w = threadIdx.x; w < w0; w += blockDim.x) before += __popc(__ldcg(kept + w));
+  for (int64_t w = threadIdx.x; w < w0; w += blockDim.x) before += __popc(__ldcg(kept32 + w));
   before = Reduce(temp.reduce).Sum(before);
   if (threadIdx.x == 0) base_shared = before;
   __syncthreads();
   int64_t base = base_shared;
   for (int64_t c0 = w0; c0 < w1; c0 += blockDim.x) {
     const int64_t w = c0 + threadIdx.x;
-    unsigned int word = w < w1 ? __ldcg(kept + w) : 0u;
+    unsigned int word = w < w1 ? __ldcg(kept32 + w) : 0u;
     int offset = 0, total = 0;
     Scan(temp.scan).ExclusiveSum(__popc(word), offset, total);
     int64_t o = base + offset;
@@ -399,23 +376,12 @@ __global__ void __launch_bounds__(kFixThreads) nms_fixpoint_kernel(
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) *count = base;
 }
 
-int max_sweeps_setting() {
-  // DETOPS_NMS_MAX_SWEEPS bounds the parallel sweeps before the in-order finish (tests set it
-  // low to exercise the finish).
-  const char* env = std::getenv("DETOPS_NMS_MAX_SWEEPS");
-  if (env == nullptr || *env == '\0') return kDefaultMaxSweeps;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  if (end == env || v < 0) return kDefaultMaxSweeps;
-  return static_cast<int>(std::min<long>(v, 1 << 20));
-}
-
 template <bool kBatched>
-int fixpoint_blocks_per_sm() {
+int dataflow_blocks_per_sm() {
   static const int blocks = [] {
     int b = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &b, nms_fixpoint_kernel<kBatched>, kFixThreads, 0));
+        &b, nms_dataflow_kernel<kBatched>, kFixThreads, 0));
     return std::max(b, 1);
   }();
   return blocks;
@@ -451,7 +417,8 @@ at::Tensor nms_cuda_impl(
   at::Tensor valid = at::empty({n}, boxes.options().dtype(at::kBool));
   const int64_t tiles = (n + kTile - 1) / kTile;
   at::Tensor mask = at::empty({mask_words(n)}, long_opts);
-  at::Tensor summary = at::zeros({summary_words(n)}, long_opts);
+  const int64_t summary_size = summary_words(n);
+  at::Tensor summary = at::empty({summary_size}, long_opts);
   auto* mask_ptr = reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>());
   auto* summary_ptr = reinterpret_cast<unsigned long long*>(summary.data_ptr<int64_t>());
 
@@ -468,7 +435,7 @@ at::Tensor nms_cuda_impl(
       kernel<<<1, kSortThreads, static_cast<size_t>(sort_smem), stream>>>(
           n, sort_size, scores.const_data_ptr<scalar_t>(), scores.stride(0),
           boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1), order.data_ptr<int64_t>(),
-          sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>());
+          sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>(), summary_ptr, summary_size);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
       auto sorted_scores = scores.sort(/*stable=*/true, 0, /*descending=*/true);
@@ -482,10 +449,11 @@ at::Tensor nms_cuda_impl(
         rank = std::get<1>(by_class).contiguous();
         pos_orig = order.index_select(0, rank);
       }
-      nms_prepare_kernel<scalar_t, acc_t><<<cuda::grid_for(n, kPrepareThreads), kPrepareThreads, 0, stream>>>(
+      nms_prepare_kernel<scalar_t, acc_t><<<cuda::grid_for(std::max(n, summary_size), kPrepareThreads), kPrepareThreads, 0, stream>>>(
           n, boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1),
           pos_orig.const_data_ptr<int64_t>(), rank.defined() ? rank.const_data_ptr<int64_t>() : nullptr,
-          nan_by_rank.const_data_ptr<bool>(), sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>());
+          nan_by_rank.const_data_ptr<bool>(), sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>(),
+          summary_ptr, summary_size);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     const acc_t thr = geometry::iou_threshold_as<acc_t>(iou_threshold);
@@ -501,15 +469,14 @@ at::Tensor nms_cuda_impl(
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 
-  int max_sweeps = max_sweeps_setting();
-  // One allocation: kept words (2 per tile), then one first-change slot per sweep, then (plain
-  // NMS) the output and its count.
+  // One allocation: `kept` and `decided` words (one per tile each), then (plain NMS) the
+  // output and its count.
   const int64_t extra = batched ? 0 : n + 1;
-  at::Tensor work = at::empty({tiles + max_sweeps + 1 + extra}, long_opts);
+  at::Tensor work = at::empty({2 * tiles + extra}, long_opts);
   int64_t* work_ptr = work.data_ptr<int64_t>();
-  unsigned int* kept = reinterpret_cast<unsigned int*>(work_ptr);
-  long long* first_changed = reinterpret_cast<long long*>(work_ptr + tiles);
-  int64_t* out = batched ? nullptr : work_ptr + tiles + max_sweeps + 1;
+  auto* kept = reinterpret_cast<unsigned long long*>(work_ptr);
+  auto* decided = reinterpret_cast<unsigned long long*>(work_ptr + tiles);
+  int64_t* out = batched ? nullptr : work_ptr + 2 * tiles;
   int64_t* count = batched ? nullptr : out + n;
   at::Tensor kept_by_rank;
   if (batched) kept_by_rank = at::empty({n}, boxes.options().dtype(at::kBool));
@@ -520,14 +487,14 @@ at::Tensor nms_cuda_impl(
   const unsigned long long* summary_cptr = summary_ptr;
   const bool* valid_ptr = valid.const_data_ptr<bool>();
 
-  const int per_sm = batched ? fixpoint_blocks_per_sm<true>() : fixpoint_blocks_per_sm<false>();
+  const int per_sm = batched ? dataflow_blocks_per_sm<true>() : dataflow_blocks_per_sm<false>();
   const int64_t wanted = cuda::ceil_div(n, kFixThreads);
   const int blocks = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(wanted, static_cast<int64_t>(per_sm) * props->multiProcessorCount)));
-  void* args[] = {const_cast<int64_t*>(&n), &max_sweeps, &mask_cptr, &summary_cptr, &valid_ptr, &kept,
-                  &first_changed, &order_ptr, &rank_ptr, &out, &count, &kept_by_rank_ptr};
-  const void* fn = batched ? reinterpret_cast<const void*>(nms_fixpoint_kernel<true>)
-                           : reinterpret_cast<const void*>(nms_fixpoint_kernel<false>);
+  void* args[] = {const_cast<int64_t*>(&n), &mask_cptr, &summary_cptr, &valid_ptr, &kept, &decided,
+                  &order_ptr, &rank_ptr, &out, &count, &kept_by_rank_ptr};
+  const void* fn = batched ? reinterpret_cast<const void*>(nms_dataflow_kernel<true>)
+                           : reinterpret_cast<const void*>(nms_dataflow_kernel<false>);
   C10_CUDA_CHECK(cudaLaunchCooperativeKernel(fn, dim3(blocks), dim3(kFixThreads), args, 0, stream));
 
   if (batched) {
@@ -539,7 +506,7 @@ at::Tensor nms_cuda_impl(
       host_count.data_ptr<int64_t>(), count, sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));
   const int64_t kept_count = host_count.data_ptr<int64_t>()[0];
-  return work.narrow(0, tiles + max_sweeps + 1, kept_count);
+  return work.narrow(0, 2 * tiles, kept_count);
 }
 
 at::Tensor nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold) {
