@@ -17,11 +17,16 @@ def profile(name, fn, calls=20):
             fn()
         torch.cuda.synchronize()
     print(f"==== {name} ({calls} calls)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
 def main():
-    for label, (b, s) in [("nms 1k random", random_boxes(1000, 1)), ("nms 4.7k clustered", clustered_boxes(4700, 2))]:
+    for label, (b, s) in [
+        ("nms 1k random", random_boxes(1000, 1)),
+        ("nms 4.7k clustered", clustered_boxes(4700, 2)),
+        ("nms 5k random", random_boxes(5000, 3)),
+        ("nms 12k random", random_boxes(12000, 4)),
+    ]:
         b, s = b.cuda(), s.cuda()
         profile(label, lambda: detops.ops.nms(b, s, 0.5))
     x = torch.randn(2, 256, 200, 304, device="cuda")

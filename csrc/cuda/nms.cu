@@ -21,6 +21,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cuda/atomic>
@@ -39,9 +40,10 @@ namespace cg = cooperative_groups;
 
 constexpr int kTile = 64;
 constexpr int kPrepareThreads = 256;
-constexpr int kSortThreads = 1024;
-constexpr int64_t kMaxBlockSort = 8192;
+constexpr int kSortThreads = 512;
+constexpr int64_t kMaxBlockSort = 4096;
 constexpr int kFixThreads = 512;
+constexpr int kBatchWords = 8;
 
 using geometry::iou_above;
 
@@ -77,65 +79,40 @@ __device__ __forceinline__ uint64_t score_key(float s) {
   return u;
 }
 
-__device__ __forceinline__ uint64_t score_key(double s) {
-  if (s != s) return 0;
-  if (s == 0.0) s = 0.0;
-  uint64_t u = static_cast<uint64_t>(__double_as_longlong(s));
-  u = (u >> 63) ? ~u : (u | (1ULL << 63));
-  return u;
-}
-
-// One block ranks up to kMaxBlockSort scores (bitonic sort of (key, index) in shared memory:
-// higher score first, equal scores by index, NaN last) and writes, per rank, the original
-// index, the box in the accumulation type and whether the score is a number. Also clears the
-// mask's row summaries.
-template <typename scalar_t, typename acc_t>
+// One block ranks up to kMaxBlockSort float, half or bfloat16 scores (a stable radix sort of
+// the score keys with the indices: higher score first, equal scores by index, NaN last) and
+// writes, per rank, the original index, the box in float and whether the score is a number.
+// Also clears the mask's row summaries.
+template <typename scalar_t, int kItems>
 __global__ void __launch_bounds__(kSortThreads) nms_block_sort_kernel(
-    int64_t n, int size, const scalar_t* __restrict__ scores, int64_t score_stride,
+    int64_t n, const scalar_t* __restrict__ scores, int64_t score_stride,
     const scalar_t* __restrict__ boxes, int64_t stride0, int64_t stride1, int64_t* __restrict__ order,
-    acc_t* __restrict__ sorted_boxes, bool* __restrict__ valid, unsigned long long* __restrict__ summary,
+    float* __restrict__ sorted_boxes, bool* __restrict__ valid, unsigned long long* __restrict__ summary,
     int64_t summary_size) {
-  extern __shared__ unsigned long long sort_smem[];
+  using Sort = cub::BlockRadixSort<unsigned int, kSortThreads, kItems, int>;
+  __shared__ typename Sort::TempStorage temp;
   for (int64_t i = threadIdx.x; i < summary_size; i += blockDim.x) summary[i] = 0;
-  uint64_t* key = reinterpret_cast<uint64_t*>(sort_smem);
-  int* idx = reinterpret_cast<int*>(key + size);
-  for (int i = threadIdx.x; i < size; i += blockDim.x) {
-    if (i < n) {
-      key[i] = score_key(static_cast<acc_t>(scores[i * score_stride]));
-      idx[i] = i;
-    } else {
-      key[i] = 0;
-      idx[i] = static_cast<int>(n) + i;  // after every real entry, NaN ones included
-    }
-  }
-  __syncthreads();
-  for (int k = 2; k <= size; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < size; i += blockDim.x) {
-        const int p = i ^ j;
-        if (p > i) {
-          const uint64_t ki = key[i], kp = key[p];
-          const int ii = idx[i], ip = idx[p];
-          // `p first`: the entry at p ranks before the one at i.
-          const bool p_first = kp > ki || (kp == ki && ip < ii);
-          if (((i & k) == 0) == p_first) {
-            key[i] = kp;
-            key[p] = ki;
-            idx[i] = ip;
-            idx[p] = ii;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  }
-  for (int p = threadIdx.x; p < n; p += blockDim.x) {
-    const int64_t i = idx[p];
-    order[p] = i;
-    valid[p] = key[p] != 0;
-    const scalar_t* b = boxes + i * stride0;
+  unsigned int key[kItems];
+  int idx[kItems];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) sorted_boxes[p * 4 + c] = static_cast<acc_t>(b[c * stride1]);
+  for (int k = 0; k < kItems; ++k) {
+    const int i = threadIdx.x * kItems + k;
+    // Positions past n get the NaN key and sort after every real entry (the sort is stable).
+    key[k] = i < n ? static_cast<unsigned int>(score_key(static_cast<float>(scores[i * score_stride]))) : 0u;
+    idx[k] = i;
+  }
+  Sort(temp).SortDescending(key, idx);
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const int p = threadIdx.x * kItems + k;
+    if (p < n) {
+      const int64_t i = idx[k];
+      order[p] = i;
+      valid[p] = key[k] != 0;
+      const scalar_t* b = boxes + i * stride0;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sorted_boxes[p * 4 + c] = static_cast<float>(b[c * stride1]);
+    }
   }
 }
 
@@ -280,12 +257,21 @@ __global__ void __launch_bounds__(kFixThreads) nms_dataflow_kernel(
       bool ext_kept = false, ext_pending = false;
       unsigned int in_group = 0;  // overlapping earlier positions of this warp's 32
       if (!((dec >> lane) & 1u)) {
+        // The row's nonzero mask words, a batch at a time: all `decided` words of a batch are
+        // read at once, then (after an acquire fence) the `kept` words, so one batch costs two
+        // memory round trips however many words it has.
         const int64_t r = j / kTile;
         const unsigned long long* srow = summary + summary_row_offset(j);
         const uint64_t* mrow = mask + mask_row_offset(j);
-        for (int64_t sw = 0; sw <= r / 64 && !ext_kept; ++sw) {
-          unsigned long long sbits = srow[sw];
-          while (sbits) {
+        int64_t sw = 0;
+        unsigned long long sbits = srow[0];
+        while (!ext_kept) {
+          int64_t ws[kBatchWords];
+          uint64_t ms[kBatchWords];
+          int count_words = 0;
+          while (count_words < kBatchWords) {
+            while (!sbits && sw < r / 64) sbits = srow[++sw];
+            if (!sbits) break;
             const int b = __ffsll(static_cast<long long>(sbits)) - 1;
             sbits &= sbits - 1;
             const int64_t w = sw * 64 + b;
@@ -295,14 +281,25 @@ __global__ void __launch_bounds__(kFixThreads) nms_dataflow_kernel(
               m &= ~(0xffffffffULL << shift);
               if (!m) continue;
             }
-            const unsigned long long d = load_acquire(decided + w);
-            const unsigned long long k = load_relaxed(kept + w);
-            if (m & d & k) {
-              ext_kept = true;
-              break;
-            }
-            if (m & ~d) ext_pending = true;
+            ws[count_words] = w;
+            ms[count_words] = m;
+            ++count_words;
           }
+          if (count_words == 0) break;
+          unsigned long long d[kBatchWords], k[kBatchWords];
+#pragma unroll
+          for (int q = 0; q < kBatchWords; ++q) d[q] = q < count_words ? load_relaxed(decided + ws[q]) : ~0ULL;
+          ::cuda::atomic_thread_fence(::cuda::std::memory_order_acquire, ::cuda::thread_scope_device);
+#pragma unroll
+          for (int q = 0; q < kBatchWords; ++q) k[q] = q < count_words ? load_relaxed(kept + ws[q]) : 0ULL;
+#pragma unroll
+          for (int q = 0; q < kBatchWords; ++q) {
+            if (q < count_words) {
+              if (ms[q] & d[q] & k[q]) ext_kept = true;
+              if (ms[q] & ~d[q]) ext_pending = true;
+            }
+          }
+          if (count_words < kBatchWords) break;
         }
       }
       const unsigned int ext_kept_b = __ballot_sync(0xffffffffu, ext_kept);
@@ -376,6 +373,25 @@ __global__ void __launch_bounds__(kFixThreads) nms_dataflow_kernel(
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) *count = base;
 }
 
+template <typename scalar_t>
+void launch_block_sort(
+    int64_t n, const at::Tensor& scores, const at::Tensor& boxes, int64_t* order,
+    at::opmath_type<scalar_t>* sorted_boxes, bool* valid, unsigned long long* summary, int64_t summary_size,
+    cudaStream_t stream) {
+  auto kernel = n <= kSortThreads * 2 ? nms_block_sort_kernel<scalar_t, 2> : nms_block_sort_kernel<scalar_t, 8>;
+  kernel<<<1, kSortThreads, 0, stream>>>(
+      n, scores.const_data_ptr<scalar_t>(), scores.stride(0), boxes.const_data_ptr<scalar_t>(), boxes.stride(0),
+      boxes.stride(1), order, sorted_boxes, valid, summary, summary_size);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <>
+void launch_block_sort<double>(
+    int64_t, const at::Tensor&, const at::Tensor&, int64_t*, double*, bool*, unsigned long long*, int64_t,
+    cudaStream_t) {
+  TORCH_INTERNAL_ASSERT(false, "detops.nms: float64 scores are ranked by torch's sort");
+}
+
 template <bool kBatched>
 int dataflow_blocks_per_sm() {
   static const int blocks = [] {
@@ -405,11 +421,9 @@ at::Tensor nms_cuda_impl(
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const bool batched = idxs != nullptr;
 
-  int sort_size = 2;
-  while (sort_size < n) sort_size <<= 1;
-  const int64_t sort_smem = static_cast<int64_t>(sort_size) * (sizeof(uint64_t) + sizeof(int));
+  // One block ranks small inputs whose scores have float precision or less.
   const bool block_sort = !batched && n <= kMaxBlockSort && scores.scalar_type() == boxes.scalar_type() &&
-                          sort_smem <= static_cast<int64_t>(props->sharedMemPerBlockOptin);
+                          boxes.scalar_type() != at::kDouble;
 
   at::Tensor order;     // rank -> original index
   at::Tensor rank;      // position -> rank (undefined: the same)
@@ -427,17 +441,11 @@ at::Tensor nms_cuda_impl(
     at::Tensor sorted_boxes = at::empty({n, 4}, boxes.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     if (block_sort) {
       order = at::empty({n}, long_opts);
-      auto kernel = nms_block_sort_kernel<scalar_t, acc_t>;
-      if (sort_smem > 48 * 1024) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(
-            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sort_smem)));
-      }
-      kernel<<<1, kSortThreads, static_cast<size_t>(sort_smem), stream>>>(
-          n, sort_size, scores.const_data_ptr<scalar_t>(), scores.stride(0),
-          boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1), order.data_ptr<int64_t>(),
-          sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>(), summary_ptr, summary_size);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    } else {
+      launch_block_sort<scalar_t>(
+          n, scores, boxes, order.data_ptr<int64_t>(), sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>(),
+          summary_ptr, summary_size, stream);
+    }
+    if (!block_sort) {
       auto sorted_scores = scores.sort(/*stable=*/true, 0, /*descending=*/true);
       order = std::get<1>(sorted_scores);
       const at::Tensor nan_by_rank = std::get<0>(sorted_scores).isnan();
