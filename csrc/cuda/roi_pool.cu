@@ -3,8 +3,8 @@
 // Forward: the work is ordered channel by channel (all RoIs of channel 0, then channel 1, ...),
 // so the RoIs in flight read one or two feature planes that stay in L2; two kernels, both
 // reading the input through its strides (no copy) and both giving the CPU kernel's results:
-//   * rows (channel-first layouts such as NCHW): a warp per (channel, RoI, bin row ph). Its
-//     lanes split into groups of g lanes (a power of two sized to the bin width), one group
+//   * rows (channel-first layouts such as NCHW): a warp per (block of 8 channels, RoI, bin
+//     row ph), which computes the RoI and bin geometry once for its channels. Its lanes split into groups of g lanes (a power of two sized to the bin width), one group
 //     per bin of the row; the lanes of a group read adjacent columns of the bin, so each
 //     load of a row reads a contiguous run of g values. A lane keeps the maximum of each of
 //     its columns over the bin's rows (first row on ties), folds its columns together, and
@@ -56,6 +56,9 @@ constexpr int kThreads = 256;
 constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = kThreads / kWarp;
 constexpr unsigned int kFullMask = 0xffffffffu;
+// Channels per warp item of the rows kernel: the RoI and bin geometry is computed once for
+// them; small enough that the planes of the items in flight stay in L2.
+constexpr int kRowsChannels = 8;
 
 // Sizes and strides of a [K, C, PH, PW] gradient, with the flat-index decomposition.
 template <typename index_t>
@@ -125,7 +128,8 @@ __device__ __forceinline__ int lanes_per_bin(int64_t span, int64_t pooled_width)
   return best_g;
 }
 
-// Rows kernel (see the file comment): a warp per item (c, k, ph), items ordered channel first.
+// Rows kernel (see the file comment): a warp per item (channel block, k, ph), items ordered
+// channel block first; the warp handles the kRowsChannels channels of its block in turn.
 template <typename scalar_t, typename index_t>
 __global__ void __launch_bounds__(kThreads) roi_pool_forward_rows_kernel(
     index_t items, const scalar_t* __restrict__ input, InputView in,
@@ -142,7 +146,8 @@ __global__ void __launch_bounds__(kThreads) roi_pool_forward_rows_kernel(
     const index_t ph = item % pooled_height;
     const index_t kc = item / pooled_height;
     const index_t k = kc % num_rois;
-    const index_t c = kc / num_rois;
+    const int64_t c_begin = static_cast<int64_t>(kc / num_rois) * kRowsChannels;
+    const int64_t c_end = std::min<int64_t>(c_begin + kRowsChannels, in.channels);
     const auto box = load_box<acc_t>(rois, k, scale, in, pooled_height, pooled_width);
     // a bin has at most ceil(bin_w) + 1 columns, and never more than the map's width
     const int64_t span = std::min<int64_t>(
@@ -151,45 +156,47 @@ __global__ void __launch_bounds__(kThreads) roi_pool_forward_rows_kernel(
     const int sub = lane % group;  // the lane's place in its group
     const int slot = lane / group;  // the group's bin within a pass
     const int bins_per_pass = kWarp / group;
-    const scalar_t* plane = input + (box.batch >= 0 ? box.batch * in.s_b + c * in.s_c : 0);
-    const int64_t out_row = (static_cast<int64_t>(k) * in.channels + c) * pooled_height + ph;
-    scalar_t* out = output + out_row * pooled_width;
-    int32_t* arg = argmax + out_row * pooled_width;
-    // every lane runs every pass (the shuffles need the whole warp)
+    const scalar_t* image = input + (box.batch >= 0 ? box.batch * in.s_b : 0);
+    // every lane runs every pass and channel (the shuffles need the whole warp)
     for (index_t pw0 = 0; pw0 < pooled_width; pw0 += bins_per_pass) {
       const index_t pw = pw0 + slot;
       int64_t h0 = 0, h1 = 0, w0 = 0, w1 = 0;
       const bool live =
           pw < pooled_width && roi_pool_bin(box, ph, pw, in.height, in.width, h0, h1, w0, w1);
-      acc_t best = lowest;
-      int32_t best_i = -1;
-      if (live) {
-        const int32_t hb = static_cast<int32_t>(h0), he = static_cast<int32_t>(h1);
-        for (int32_t w = static_cast<int32_t>(w0) + sub; w < w1; w += group) {
-          // maximum of column w over the bin's rows, first row on ties
-          const scalar_t* p = plane + hb * in.s_h + w * in.s_w;
-          acc_t col = lowest;
-          int32_t col_h = -1;
+      for (int64_t c = c_begin; c < c_end; ++c) {
+        const scalar_t* plane = image + (box.batch >= 0 ? c * in.s_c : 0);
+        acc_t best = lowest;
+        int32_t best_i = -1;
+        if (live) {
+          const int32_t hb = static_cast<int32_t>(h0), he = static_cast<int32_t>(h1);
+          for (int32_t w = static_cast<int32_t>(w0) + sub; w < w1; w += group) {
+            // maximum of column w over the bin's rows, first row on ties
+            const scalar_t* p = plane + hb * in.s_h + w * in.s_w;
+            acc_t col = lowest;
+            int32_t col_h = -1;
 #pragma unroll 4
-          for (int32_t h = hb; h < he; ++h) {
-            const acc_t v = static_cast<acc_t>(p[0]);
-            p += in.s_h;
-            if (v > col) {
-              col = v;
-              col_h = h;
+            for (int32_t h = hb; h < he; ++h) {
+              const acc_t v = static_cast<acc_t>(p[0]);
+              p += in.s_h;
+              if (v > col) {
+                col = v;
+                col_h = h;
+              }
             }
+            if (col_h >= 0) take_better(col, col_h * width + w, best, best_i);
           }
-          if (col_h >= 0) take_better(col, col_h * width + w, best, best_i);
         }
-      }
-      for (int offset = group / 2; offset > 0; offset /= 2) {
-        const acc_t other = __shfl_xor_sync(kFullMask, best, offset);
-        const int32_t other_i = __shfl_xor_sync(kFullMask, best_i, offset);
-        take_better(other, other_i, best, best_i);
-      }
-      if (sub == 0 && pw < pooled_width) {
-        out[pw] = live ? static_cast<scalar_t>(best) : scalar_t(0);
-        arg[pw] = live ? best_i : -1;
+        for (int offset = group / 2; offset > 0; offset /= 2) {
+          const acc_t other = __shfl_xor_sync(kFullMask, best, offset);
+          const int32_t other_i = __shfl_xor_sync(kFullMask, best_i, offset);
+          take_better(other, other_i, best, best_i);
+        }
+        if (sub == 0 && pw < pooled_width) {
+          const int64_t o =
+              ((static_cast<int64_t>(k) * in.channels + c) * pooled_height + ph) * pooled_width + pw;
+          output[o] = live ? static_cast<scalar_t>(best) : scalar_t(0);
+          argmax[o] = live ? best_i : -1;
+        }
       }
     }
   }
@@ -250,7 +257,7 @@ void launch_forward(
       input.size(0),   input.size(1),   input.size(2),   input.size(3),
       input.stride(0), input.stride(1), input.stride(2), input.stride(3)};
   const int64_t k = rois.size(0);
-  const int64_t groups = channels_kernel ? cuda::ceil_div(in.channels, kWarp) : in.channels;
+  const int64_t groups = cuda::ceil_div(in.channels, channels_kernel ? kWarp : kRowsChannels);
   const int64_t items = groups * k * pooled_height;
   const auto kernel = channels_kernel ? roi_pool_forward_channels_kernel<scalar_t, index_t>
                                       : roi_pool_forward_rows_kernel<scalar_t, index_t>;
@@ -374,7 +381,8 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
       "detops.roi_pool: rois[:, 0] must hold batch indices, integers in [0, B)");
   // channels kernel when the channels are the unit-stride dimension (channels_last)
   const bool channels_kernel = input.size(1) > 1 && input.stride(1) == 1;
-  const int64_t groups = channels_kernel ? cuda::ceil_div(input.size(1), kWarp) : input.size(1);
+  const int64_t groups =
+      cuda::ceil_div(input.size(1), channels_kernel ? kWarp : kRowsChannels);
   const bool narrow = groups * k * pooled_height < std::numeric_limits<int32_t>::max();
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
