@@ -11,6 +11,7 @@ import torchvision
 import detops
 from detops.ops import RoIPool, roi_pool
 from detops.reference import roi_pool as ref
+from detops.testing import random_rois as bench_rois
 from tests.conftest import DEVICES, cuda_param
 
 op = torch.ops.detops.roi_pool
@@ -369,3 +370,168 @@ def test_cuda_autocast_and_compile():
     f = torch.compile(lambda t, r: roi_pool(t, r, (3, 3), 1.0), fullgraph=True)
     xf = x.float()
     assert torch.equal(f(xf, rois), roi_pool(xf, rois, 3))
+
+
+# ------------------------------------------------- CUDA forward kernels against the CPU kernel
+#
+# The CUDA forward has a rows kernel (channel-first layouts: lanes along a bin row, groups of
+# lanes per bin, shuffled (value, index) combination) and a channels kernel (channels_last:
+# lanes along the channels). Both must give the CPU kernel's values and argmax exactly; the
+# backward is compared exactly too, with integer-valued gradients so that every summation
+# order gives the same float sums.
+
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+LAYOUTS = ["contiguous", "channels_last", "strided"]
+
+
+def _layout(x, layout):
+    """x in one memory layout; same values and shape."""
+    if layout == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    if layout == "strided":  # a view with no unit-stride dimension
+        big = torch.zeros(x.shape[0], x.shape[1] * 2, x.shape[2], x.shape[3] * 3, dtype=x.dtype, device=x.device)
+        big[:, ::2, :, ::3] = x
+        return big[:, ::2, :, ::3]
+    return x.contiguous()
+
+
+def _integer_grad(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, shape, generator=g).to(dtype)
+
+
+def _check_cuda_against_cpu(x, rois, scale, ph, pw, layouts=LAYOUTS, backward=True):
+    """Forward (values, argmax) and both backward variants on CUDA equal the CPU kernel."""
+    out, arg = op(x, rois, scale, ph, pw)
+    b, c, h, w = x.shape
+    g = _integer_grad(out.shape, x.dtype)
+    gi = op_bwd(g, rois, arg, scale, ph, pw, b, c, h, w) if backward else None
+    for layout in layouts:
+        xc = _layout(x.cuda(), layout)
+        out_c, arg_c = op(xc, rois.cuda(), scale, ph, pw)
+        assert torch.equal(out_c.cpu(), out), layout
+        assert torch.equal(arg_c.cpu(), arg), layout
+    if not backward:
+        return
+    gi_c = op_bwd(g.cuda(), rois.cuda(), arg.cuda(), scale, ph, pw, b, c, h, w)
+    assert torch.equal(gi_c.cpu(), gi)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        gi_d = op_bwd(g.cuda(), rois.cuda(), arg.cuda(), scale, ph, pw, b, c, h, w)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert torch.equal(gi_d.cpu(), gi)
+
+
+def _wide_rois(batch, height, width):
+    """RoIs (scale 1) wider than 32 lanes' worth of columns, tall ones, the whole map, and
+    ones hanging over each border."""
+    boxes = [
+        [0, 0, 0, width - 1, height - 1],
+        [0, 3, 1, width - 2, 5],
+        [0, 0.4, 2, 37.6, height - 3],
+        [0, -40, -7, width + 40, height + 9],
+        [0, width - 50, -20, width + 60, 4],
+        [0, -70, 3, 45, 9],
+        [0, 5, 5, 5, 5],
+        [0, 100.5, 0, 100.5, height - 1],
+    ]
+    rois = torch.tensor(boxes, dtype=torch.float32)
+    rois[1::2, 0] = batch - 1
+    return rois
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("scale,size", CASES + [(0.25, (14, 14)), (1.0, (40, 3)), (1.0, (3, 40))])
+def test_cuda_kernels_match_cpu(dtype, scale, size):
+    x = distinct_input((2, 37, 13, 17)).to(dtype)  # 37 channels: one full and one partial group of 32
+    rois = random_rois(60, 2, 13, 17, scale).to(dtype)
+    _check_cuda_against_cpu(x, rois, scale, *size)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("size", [(1, 1), (7, 7), (2, 5), (5, 33), (1, 64)])
+def test_cuda_wide_and_huge_rois(dtype, size):
+    # columns per bin from < 1 to > 160, more bins in a row than a warp has lanes
+    x = distinct_input((2, 3, 21, 203)).to(dtype)
+    rois = _wide_rois(2, 21, 203).to(dtype)
+    _check_cuda_against_cpu(x, rois, 1.0, *size)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_cuda_ties(dtype):
+    # constant features: every bin ties everywhere and takes its first pixel in row-major
+    # order; then a few distinct values (ties within and across columns), and +0.0 / -0.0
+    rois = torch.cat([_wide_rois(2, 19, 150), random_rois(40, 2, 19, 150, 1.0, seed=11)]).to(dtype)
+    for x in (
+        torch.full((2, 33, 19, 150), 1.5),
+        torch.randint(0, 3, (2, 33, 19, 150), generator=torch.Generator().manual_seed(1)).float(),
+        torch.where(torch.rand(2, 33, 19, 150, generator=torch.Generator().manual_seed(2)) < 0.5, 0.0, -0.0),
+    ):
+        for size in ((7, 7), (3, 2), (1, 1)):
+            _check_cuda_against_cpu(x.to(dtype), rois, 1.0, *size)
+    out, arg = op(torch.full((1, 2, 19, 150), 1.5).to(dtype).cuda(), rois[:1].cuda(), 1.0, 1, 1)
+    assert (arg == 0).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_cuda_nan_inf_and_lowest(dtype):
+    # NaN never becomes a maximum; a bin of NaN / -inf / -FLT_MAX only keeps argmax -1 and
+    # the value -FLT_MAX (converted to the dtype); partly NaN bins take their largest number
+    g = torch.Generator().manual_seed(3)
+    x = distinct_input((2, 34, 16, 90))
+    u = torch.rand(x.shape, generator=g)
+    x = torch.where(u < 0.3, float("nan"), x)
+    x = torch.where((u >= 0.3) & (u < 0.35), float("-inf"), x)
+    x[:, :, :, :20] = float("nan")  # whole bins of NaN
+    x[:, :, :, 20:24] = -3.4028234663852886e38
+    x[:, :, 10:, 30:40] = float("inf")
+    rois = torch.cat([_wide_rois(2, 16, 90), random_rois(40, 2, 16, 90, 1.0, seed=12)])
+    if dtype in (torch.float16, torch.bfloat16):
+        x[:, :, :, 20:24] = float("-inf")  # -FLT_MAX does not fit
+    _check_cuda_against_cpu(x.to(dtype), rois.to(dtype), 1.0, 7, 7)
+    _check_cuda_against_cpu(x.to(dtype), rois.to(dtype), 1.0, 3, 11)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_benchmark_shapes(dtype):
+    # the benchmark's geometry (RoI sides 1/32 to 1/2 of the image, stride 4), fewer channels
+    x = torch.randn(2, 40, 100, 152, generator=torch.Generator().manual_seed(4)).to(dtype)
+    rois = bench_rois(96, 2, 100, 152, seed=4, spatial_scale=0.25).to(dtype)
+    _check_cuda_against_cpu(x, rois, 0.25, 7, 7)
+    if dtype == torch.float32:  # torchvision computes half-precision RoI geometry in half
+        tv = torchvision.ops.roi_pool(x.cuda(), rois.cuda(), 7, 0.25)
+        assert torch.equal(op(x.cuda(), rois.cuda(), 0.25, 7, 7)[0], tv)
+
+
+@pytest.mark.cuda
+def test_cuda_single_channel_and_empty_rois():
+    # C = 1 channels_last is also contiguous: the rows kernel takes it; RoIs entirely
+    # outside the map or with NaN coordinates have only empty bins
+    x = distinct_input((2, 1, 9, 40))
+    rois = torch.tensor(
+        [[0.0, -50, -50, -10, -10], [1, 45, 0, 60, 8], [1, float("nan"), 0, 4, 4], [0, 0, 0, 39, 8]]
+    )
+    _check_cuda_against_cpu(x, rois, 1.0, 2, 3)
+    out, arg = op(x.cuda(), rois.cuda(), 1.0, 2, 3)
+    assert (arg[:3] == -1).all() and (out[:3] == 0).all() and (arg[3] >= 0).all()
+
+
+@pytest.mark.cuda
+def test_cuda_backward_fp16_accumulates_in_float32():
+    # 300 RoIs on the same pixel: float32 accumulation, one rounding at the end
+    x = torch.zeros(1, 2, 4, 4, dtype=torch.float16)
+    x[0, :, 1, 1] = 1
+    rois = torch.tensor([[0.0, 0, 0, 3, 3]]).repeat(300, 1).half()
+    _, arg = op(x.cuda(), rois.cuda(), 1.0, 1, 1)
+    g = torch.full((300, 2, 1, 1), 0.1, dtype=torch.float16)
+    gi = op_bwd(g.cuda(), rois.cuda(), arg, 1.0, 1, 1, 1, 2, 4, 4)
+    want = op_bwd(g, rois, arg.cpu(), 1.0, 1, 1, 1, 2, 4, 4)
+    assert torch.equal(gi.cpu(), want)
+    assert gi[0, 0, 1, 1].item() == torch.tensor(300 * 0.0999755859375).half().item()

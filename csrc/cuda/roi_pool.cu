@@ -1,19 +1,34 @@
 // RoIPool (max) forward and backward on CUDA.
 //
-// Forward: one thread per output element (RoI, channel, bin), reading the input through its
-// strides (any memory layout, no copy). The bin geometry is the one the CPU kernel uses
-// (common/roi_pool_geometry.h), so both devices pick the same pixels.
+// Forward: the work is ordered channel by channel (all RoIs of channel 0, then channel 1, ...),
+// so the RoIs in flight read one or two feature planes that stay in L2; two kernels, both
+// reading the input through its strides (no copy) and both giving the CPU kernel's results:
+//   * rows (channel-first layouts such as NCHW): a warp per (block of 8 channels, RoI, bin
+//     row ph), which computes the RoI and bin geometry once for its channels. Its lanes split into groups of g lanes (a power of two sized to the bin width), one group
+//     per bin of the row; the lanes of a group read adjacent columns of the bin, so each
+//     load of a row reads a contiguous run of g values. A lane keeps the maximum of each of
+//     its columns over the bin's rows (first row on ties), folds its columns together, and
+//     the group combines its lanes with shuffles. Candidates combine by (larger value, then
+//     smaller row-major index h * W + w), which picks exactly the bin's first maximum in
+//     row-major order, as the sequential scan of roi_pool_max does; NaN never becomes a
+//     maximum and a bin without a value above roi_pool_lowest keeps index -1.
+//   * channels (channels_last): a warp per (group of 32 channels, RoI, bin row ph), a lane
+//     per channel; a load of one pixel reads 32 adjacent channels, and each lane runs the
+//     shared sequential scan (roi_pool_max) over each bin of the row.
+// The bin geometry is the one the CPU kernel uses (common/roi_pool_geometry.h).
 //
 // Backward, two variants:
 //   * atomic (default): one thread per grad_output element adds it to the argmax pixel of
-//     grad_input with gpuAtomicAdd (a float32 accumulator for float16 / bfloat16); the order of
-//     the additions, hence the rounding, varies.
+//     grad_input with atomicAdd (into a float32 accumulator for float16 / bfloat16); empty
+//     bins (argmax -1) are skipped before anything else is read. The order of the additions,
+//     hence the rounding, varies.
 //   * deterministic (torch.use_deterministic_algorithms(True)): every grad_output element gets
 //     the key (b * C + c) * H * W + argmax of the pixel it feeds (a sentinel past the end for
 //     empty bins); a stable sort by key groups the contributions of each pixel in RoI order,
 //     and one thread per group (its first element) sums the group and writes the pixel once.
 //     Bit-identical from run to run, with the same summation order as the CPU kernel.
 //
+// Index arithmetic is 32-bit when every flat index of the launch fits, 64-bit otherwise.
 // Batch indices are checked on the device (at::_assert_async) instead of with a host sync;
 // a RoI with an invalid index has only empty bins and receives no gradient, so nothing is
 // read or written out of bounds either way.
@@ -38,13 +53,20 @@ using geometry::roi_pool_bin;
 using geometry::roi_pool_box;
 
 constexpr int kThreads = 256;
+constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = kThreads / kWarp;
+constexpr unsigned int kFullMask = 0xffffffffu;
+// Channels per warp item of the rows kernel: the RoI and bin geometry is computed once for
+// them; small enough that the planes of the items in flight stay in L2.
+constexpr int kRowsChannels = 8;
 
 // Sizes and strides of a [K, C, PH, PW] gradient, with the flat-index decomposition.
+template <typename index_t>
 struct PooledIndex {
-  int64_t channels, pooled_height, pooled_width;
+  index_t channels, pooled_height, pooled_width;
   int64_t s_k, s_c, s_h, s_w;
 
-  __device__ void split(int64_t i, int64_t& k, int64_t& c, int64_t& ph, int64_t& pw) const {
+  __device__ void split(index_t i, index_t& k, index_t& c, index_t& ph, index_t& pw) const {
     pw = i % pooled_width;
     i /= pooled_width;
     ph = i % pooled_height;
@@ -52,79 +74,239 @@ struct PooledIndex {
     c = i % channels;
     k = i / channels;
   }
-  __device__ int64_t offset(int64_t i) const {
-    int64_t k, c, ph, pw;
+  __device__ int64_t offset(index_t i) const {
+    index_t k, c, ph, pw;
     split(i, k, c, ph, pw);
     return k * s_k + c * s_c + ph * s_h + pw * s_w;
   }
 };
 
-template <typename scalar_t>
-__global__ void roi_pool_forward_kernel(
-    int64_t total, const scalar_t* __restrict__ input, int64_t batch, int64_t channels,
-    int64_t height, int64_t width, int64_t s_b, int64_t s_c, int64_t s_h, int64_t s_w,
-    const scalar_t* __restrict__ rois, at::opmath_type<scalar_t> scale, int64_t pooled_height,
-    int64_t pooled_width, scalar_t* __restrict__ output, int32_t* __restrict__ argmax) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const PooledIndex index{channels, pooled_height, pooled_width, 0, 0, 0, 0};
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    int64_t k, c, ph, pw;
-    index.split(i, k, c, ph, pw);
-    const scalar_t* roi = rois + k * 5;
-    const auto box = roi_pool_box<acc_t>(
-        static_cast<acc_t>(roi[0]), static_cast<acc_t>(roi[1]), static_cast<acc_t>(roi[2]),
-        static_cast<acc_t>(roi[3]), static_cast<acc_t>(roi[4]), scale, batch, pooled_height,
-        pooled_width);
-    int64_t h0, h1, w0, w1;
-    if (!roi_pool_bin(box, ph, pw, height, width, h0, h1, w0, w1)) {
-      output[i] = scalar_t(0);
-      argmax[i] = -1;
-      continue;
-    }
-    const scalar_t* plane = input + box.batch * s_b + c * s_c;
-    int64_t best_idx;
-    const acc_t best =
-        geometry::roi_pool_max<acc_t>(plane, s_h, s_w, width, h0, h1, w0, w1, best_idx);
-    output[i] = static_cast<scalar_t>(best);
-    argmax[i] = static_cast<int32_t>(best_idx);
+// Input sizes and strides as the forward kernels see them.
+struct InputView {
+  int64_t batch, channels, height, width;
+  int64_t s_b, s_c, s_h, s_w;
+};
+
+// RoI k of a contiguous [K, 5] tensor, converted to the accumulation type.
+template <typename acc_t, typename scalar_t>
+__device__ __forceinline__ geometry::RoiPoolBox<acc_t> load_box(
+    const scalar_t* __restrict__ rois, int64_t k, acc_t scale, const InputView& in,
+    int64_t pooled_height, int64_t pooled_width) {
+  const scalar_t* roi = rois + k * 5;
+  return roi_pool_box<acc_t>(
+      static_cast<acc_t>(roi[0]), static_cast<acc_t>(roi[1]), static_cast<acc_t>(roi[2]),
+      static_cast<acc_t>(roi[3]), static_cast<acc_t>(roi[4]), scale, in.batch, pooled_height,
+      pooled_width);
+}
+
+// Candidate (v, i) replaces (best, best_i) when it is larger, or equal with a smaller row-major
+// index. Candidates are either (a value above roi_pool_lowest, its index >= 0) or
+// (roi_pool_lowest, -1), so "no candidate" never replaces a real one and the combination of
+// any partition of a bin gives the first maximum of its row-major scan.
+template <typename acc_t>
+__device__ __forceinline__ void take_better(acc_t v, int32_t i, acc_t& best, int32_t& best_i) {
+  if (v > best || (v == best && i < best_i)) {
+    best = v;
+    best_i = i;
   }
+}
+
+// Lanes per bin for the rows kernel: the power of two g (1..32) with the fewest warp-wide
+// load rounds per bin row, passes * ceil(span / g), where a pass handles 32 / g bins of the
+// row and span bounds a bin's column count; ties go to the larger g (longer contiguous runs).
+__device__ __forceinline__ int lanes_per_bin(int64_t span, int64_t pooled_width) {
+  int best_g = kWarp;
+  int64_t best_cost = std::numeric_limits<int64_t>::max();
+  for (int g = kWarp; g >= 1; g >>= 1) {
+    const int64_t per_pass = kWarp / g;
+    const int64_t cost = ((pooled_width + per_pass - 1) / per_pass) * ((span + g - 1) / g);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best_g = g;
+    }
+  }
+  return best_g;
+}
+
+// Rows kernel (see the file comment): a warp per item (channel block, k, ph), items ordered
+// channel block first; the warp handles the kRowsChannels channels of its block in turn.
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kThreads) roi_pool_forward_rows_kernel(
+    index_t items, const scalar_t* __restrict__ input, InputView in,
+    const scalar_t* __restrict__ rois, index_t num_rois, at::opmath_type<scalar_t> scale,
+    index_t pooled_height, index_t pooled_width, scalar_t* __restrict__ output,
+    int32_t* __restrict__ argmax) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const acc_t lowest = geometry::roi_pool_lowest<acc_t>();
+  const int lane = threadIdx.x % kWarp;
+  const int32_t width = static_cast<int32_t>(in.width);
+  for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+       it < items; it += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    const index_t item = static_cast<index_t>(it);
+    const index_t ph = item % pooled_height;
+    const index_t kc = item / pooled_height;
+    const index_t k = kc % num_rois;
+    const int64_t c_begin = static_cast<int64_t>(kc / num_rois) * kRowsChannels;
+    const int64_t c_end = std::min<int64_t>(c_begin + kRowsChannels, in.channels);
+    const auto box = load_box<acc_t>(rois, k, scale, in, pooled_height, pooled_width);
+    // a bin has at most ceil(bin_w) + 1 columns, and never more than the map's width
+    const int64_t span = std::min<int64_t>(
+        static_cast<int64_t>(geometry::ceil_of(box.bin_w)) + 1, std::max<int64_t>(in.width, 1));
+    const int group = lanes_per_bin(span, pooled_width);
+    const int sub = lane % group;  // the lane's place in its group
+    const int slot = lane / group;  // the group's bin within a pass
+    const int bins_per_pass = kWarp / group;
+    const scalar_t* image = input + (box.batch >= 0 ? box.batch * in.s_b : 0);
+    // every lane runs every pass and channel (the shuffles need the whole warp)
+    for (index_t pw0 = 0; pw0 < pooled_width; pw0 += bins_per_pass) {
+      const index_t pw = pw0 + slot;
+      int64_t h0 = 0, h1 = 0, w0 = 0, w1 = 0;
+      const bool live =
+          pw < pooled_width && roi_pool_bin(box, ph, pw, in.height, in.width, h0, h1, w0, w1);
+      for (int64_t c = c_begin; c < c_end; ++c) {
+        const scalar_t* plane = image + (box.batch >= 0 ? c * in.s_c : 0);
+        acc_t best = lowest;
+        int32_t best_i = -1;
+        if (live) {
+          const int32_t hb = static_cast<int32_t>(h0), he = static_cast<int32_t>(h1);
+          for (int32_t w = static_cast<int32_t>(w0) + sub; w < w1; w += group) {
+            // maximum of column w over the bin's rows, first row on ties
+            const scalar_t* p = plane + hb * in.s_h + w * in.s_w;
+            acc_t col = lowest;
+            int32_t col_h = -1;
+#pragma unroll 4
+            for (int32_t h = hb; h < he; ++h) {
+              const acc_t v = static_cast<acc_t>(p[0]);
+              p += in.s_h;
+              if (v > col) {
+                col = v;
+                col_h = h;
+              }
+            }
+            if (col_h >= 0) take_better(col, col_h * width + w, best, best_i);
+          }
+        }
+        for (int offset = group / 2; offset > 0; offset /= 2) {
+          const acc_t other = __shfl_xor_sync(kFullMask, best, offset);
+          const int32_t other_i = __shfl_xor_sync(kFullMask, best_i, offset);
+          take_better(other, other_i, best, best_i);
+        }
+        if (sub == 0 && pw < pooled_width) {
+          const int64_t o =
+              ((static_cast<int64_t>(k) * in.channels + c) * pooled_height + ph) * pooled_width + pw;
+          output[o] = live ? static_cast<scalar_t>(best) : scalar_t(0);
+          argmax[o] = live ? best_i : -1;
+        }
+      }
+    }
+  }
+}
+
+// Channels kernel (see the file comment): a warp per item (channel group, k, ph), items
+// ordered channel group first; lane = channel within the group.
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kThreads) roi_pool_forward_channels_kernel(
+    index_t items, const scalar_t* __restrict__ input, InputView in,
+    const scalar_t* __restrict__ rois, index_t num_rois, at::opmath_type<scalar_t> scale,
+    index_t pooled_height, index_t pooled_width, scalar_t* __restrict__ output,
+    int32_t* __restrict__ argmax) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int lane = threadIdx.x % kWarp;
+  for (int64_t it = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+       it < items; it += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    const index_t item = static_cast<index_t>(it);
+    const index_t ph = item % pooled_height;
+    const index_t kg = item / pooled_height;
+    const index_t k = kg % num_rois;
+    const int64_t c = static_cast<int64_t>(kg / num_rois) * kWarp + lane;
+    if (c >= in.channels) continue;  // no shuffles below: lanes may leave
+    const auto box = load_box<acc_t>(rois, k, scale, in, pooled_height, pooled_width);
+    const scalar_t* plane = input + (box.batch >= 0 ? box.batch * in.s_b + c * in.s_c : 0);
+    const int64_t out_row = (static_cast<int64_t>(k) * in.channels + c) * pooled_height + ph;
+    scalar_t* out = output + out_row * pooled_width;
+    int32_t* arg = argmax + out_row * pooled_width;
+    for (index_t pw = 0; pw < pooled_width; ++pw) {
+      int64_t h0, h1, w0, w1;
+      if (!roi_pool_bin(box, ph, pw, in.height, in.width, h0, h1, w0, w1)) {
+        out[pw] = scalar_t(0);
+        arg[pw] = -1;
+        continue;
+      }
+      int64_t best_i;
+      const acc_t best =
+          geometry::roi_pool_max<acc_t>(plane, in.s_h, in.s_w, in.width, h0, h1, w0, w1, best_i);
+      out[pw] = static_cast<scalar_t>(best);
+      arg[pw] = static_cast<int32_t>(best_i);
+    }
+  }
+}
+
+// Blocks of kWarpsPerBlock warps for a warp-per-item grid-stride loop.
+unsigned int warp_blocks(int64_t items) {
+  const int64_t blocks = cuda::ceil_div(items, kWarpsPerBlock);
+  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(blocks, 1 << 30)));
+}
+
+template <typename scalar_t, typename index_t>
+void launch_forward(
+    bool channels_kernel, const at::Tensor& input, const at::Tensor& rois, double spatial_scale,
+    int64_t pooled_height, int64_t pooled_width, at::Tensor& output, at::Tensor& argmax,
+    cudaStream_t stream) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const InputView in{
+      input.size(0),   input.size(1),   input.size(2),   input.size(3),
+      input.stride(0), input.stride(1), input.stride(2), input.stride(3)};
+  const int64_t k = rois.size(0);
+  const int64_t groups = cuda::ceil_div(in.channels, channels_kernel ? kWarp : kRowsChannels);
+  const int64_t items = groups * k * pooled_height;
+  const auto kernel = channels_kernel ? roi_pool_forward_channels_kernel<scalar_t, index_t>
+                                      : roi_pool_forward_rows_kernel<scalar_t, index_t>;
+  kernel<<<warp_blocks(items), kThreads, 0, stream>>>(
+      static_cast<index_t>(items), input.const_data_ptr<scalar_t>(), in,
+      rois.const_data_ptr<scalar_t>(), static_cast<index_t>(k), static_cast<acc_t>(spatial_scale),
+      static_cast<index_t>(pooled_height), static_cast<index_t>(pooled_width),
+      output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Flat grad_input index fed by grad_output element i, or -1 (empty bin, invalid batch index,
 // argmax out of range).
-template <typename scalar_t>
+template <typename scalar_t, typename index_t>
 __device__ __forceinline__ int64_t roi_pool_target(
-    int64_t i, const PooledIndex& index, const int32_t* __restrict__ argmax,
+    index_t i, const PooledIndex<index_t>& index, const int32_t* __restrict__ argmax,
     const scalar_t* __restrict__ rois, int64_t batch, int64_t plane_size) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t a = argmax[i];
+  const int32_t a = argmax[i];
   if (a < 0 || a >= plane_size) return -1;
-  int64_t k, c, ph, pw;
-  index.split(i, k, c, ph, pw);
-  const int64_t b = geometry::roi_pool_batch_index(static_cast<acc_t>(rois[k * 5]), batch);
+  const index_t kc = i / (index.pooled_height * index.pooled_width);
+  const index_t k = kc / index.channels;
+  const index_t c = kc - k * index.channels;
+  const int64_t b = geometry::roi_pool_batch_index(static_cast<acc_t>(rois[static_cast<int64_t>(k) * 5]), batch);
   if (b < 0) return -1;
   return (b * index.channels + c) * plane_size + a;
 }
 
 // Adds into an accumulator of the op-math type (float32 for float16 / bfloat16 grads), so
 // that many contributions to one pixel do not each round to half precision.
-template <typename scalar_t>
-__global__ void roi_pool_backward_atomic_kernel(
-    int64_t total, const scalar_t* __restrict__ grad, PooledIndex index,
+template <typename scalar_t, typename index_t, bool kContiguousGrad>
+__global__ void __launch_bounds__(kThreads) roi_pool_backward_atomic_kernel(
+    index_t total, const scalar_t* __restrict__ grad, PooledIndex<index_t> index,
     const int32_t* __restrict__ argmax, const scalar_t* __restrict__ rois, int64_t batch,
     int64_t plane_size, at::opmath_type<scalar_t>* __restrict__ grad_input) {
   using acc_t = at::opmath_type<scalar_t>;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < total;
+       j += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+    const index_t i = static_cast<index_t>(j);
     const int64_t t = roi_pool_target(i, index, argmax, rois, batch, plane_size);
-    if (t >= 0) gpuAtomicAdd(grad_input + t, static_cast<acc_t>(grad[index.offset(i)]));
+    if (t < 0) continue;
+    const scalar_t g = kContiguousGrad ? grad[i] : grad[index.offset(i)];
+    gpuAtomicAdd(grad_input + t, static_cast<acc_t>(g));
   }
 }
 
 template <typename scalar_t, typename key_t>
 __global__ void roi_pool_backward_keys_kernel(
-    int64_t total, PooledIndex index, const int32_t* __restrict__ argmax,
+    int64_t total, PooledIndex<int64_t> index, const int32_t* __restrict__ argmax,
     const scalar_t* __restrict__ rois, int64_t batch, int64_t plane_size, key_t sentinel,
     key_t* __restrict__ keys) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
@@ -138,7 +320,7 @@ __global__ void roi_pool_backward_keys_kernel(
 template <typename scalar_t, typename key_t>
 __global__ void roi_pool_backward_segments_kernel(
     int64_t total, const key_t* __restrict__ keys, const int64_t* __restrict__ order,
-    const scalar_t* __restrict__ grad, PooledIndex index, key_t sentinel,
+    const scalar_t* __restrict__ grad, PooledIndex<int64_t> index, key_t sentinel,
     scalar_t* __restrict__ grad_input) {
   using acc_t = at::opmath_type<scalar_t>;
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < total;
@@ -151,6 +333,26 @@ __global__ void roi_pool_backward_segments_kernel(
     }
     grad_input[key] = static_cast<scalar_t>(sum);
   }
+}
+
+template <typename scalar_t, typename index_t>
+void launch_backward_atomic(
+    bool contiguous, int64_t total, const at::Tensor& grad, const at::Tensor& argmax,
+    const at::Tensor& rois, int64_t channels, int64_t pooled_height, int64_t pooled_width,
+    int64_t batch, int64_t plane_size, at::Tensor& acc, cudaStream_t stream) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const PooledIndex<index_t> index{
+      static_cast<index_t>(channels), static_cast<index_t>(pooled_height),
+      static_cast<index_t>(pooled_width), grad.stride(0), grad.stride(1), grad.stride(2),
+      grad.stride(3)};
+  const auto kernel = contiguous
+      ? roi_pool_backward_atomic_kernel<scalar_t, index_t, true>
+      : roi_pool_backward_atomic_kernel<scalar_t, index_t, false>;
+  kernel<<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(
+      static_cast<index_t>(total), grad.const_data_ptr<scalar_t>(), index,
+      argmax.const_data_ptr<int32_t>(), rois.const_data_ptr<scalar_t>(), batch, plane_size,
+      acc.data_ptr<acc_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Device-side check of the batch indices: no host sync, the error surfaces at the next sync.
@@ -177,24 +379,30 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
   assert_batch_indices(
       rois, input.size(0),
       "detops.roi_pool: rois[:, 0] must hold batch indices, integers in [0, B)");
-  const int64_t total = output.numel();
+  // channels kernel when the channels are the unit-stride dimension (channels_last)
+  const bool channels_kernel = input.size(1) > 1 && input.stride(1) == 1;
+  const int64_t groups =
+      cuda::ceil_div(input.size(1), channels_kernel ? kWarp : kRowsChannels);
+  const bool narrow = groups * k * pooled_height < std::numeric_limits<int32_t>::max();
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_pool", [&] {
-        using acc_t = at::opmath_type<scalar_t>;
-        roi_pool_forward_kernel<scalar_t><<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(
-            total, input.const_data_ptr<scalar_t>(), input.size(0), input.size(1), input.size(2),
-            input.size(3), input.stride(0), input.stride(1), input.stride(2), input.stride(3),
-            rois.const_data_ptr<scalar_t>(), static_cast<acc_t>(spatial_scale), pooled_height,
-            pooled_width, output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (narrow) {
+          launch_forward<scalar_t, int32_t>(
+              channels_kernel, input, rois, spatial_scale, pooled_height, pooled_width, output,
+              argmax, stream);
+        } else {
+          launch_forward<scalar_t, int64_t>(
+              channels_kernel, input, rois, spatial_scale, pooled_height, pooled_width, output,
+              argmax, stream);
+        }
       });
   return {output, argmax};
 }
 
 template <typename scalar_t, typename key_t>
 void backward_deterministic(
-    int64_t total, const at::Tensor& grad, const PooledIndex& index, const at::Tensor& argmax,
+    int64_t total, const at::Tensor& grad, const PooledIndex<int64_t>& index, const at::Tensor& argmax,
     const at::Tensor& rois, int64_t batch, int64_t plane_size, at::Tensor& grad_input,
     cudaStream_t stream) {
   const auto key_dtype = c10::CppTypeToScalarType<key_t>::value;
@@ -223,23 +431,28 @@ at::Tensor roi_pool_backward_cuda(
       height, width);
   checks::check_device("detops.roi_pool backward", "grad", grad, at::kCUDA);
   c10::cuda::CUDAGuard guard(grad.device());
-  at::Tensor grad_input = at::zeros({batch_size, channels, height, width}, grad.options());
   const int64_t total = grad.numel();
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  // float16 / bfloat16 atomics add into a float32 buffer, zeroed instead of grad_input
+  const bool wide_acc = !deterministic && (grad.scalar_type() == at::kHalf ||
+                                           grad.scalar_type() == at::kBFloat16);
+  at::Tensor grad_input = wide_acc && total > 0
+      ? at::empty({batch_size, channels, height, width}, grad.options())
+      : at::zeros({batch_size, channels, height, width}, grad.options());
   if (total == 0 || grad_input.numel() == 0) return grad_input;
   const at::Tensor rois = rois_in.contiguous();
   const at::Tensor argmax = argmax_in.contiguous();
   assert_batch_indices(
       rois, batch_size,
       "detops.roi_pool backward: rois[:, 0] must hold batch indices, integers in [0, B)");
-  const PooledIndex index{
-      channels, pooled_height, pooled_width, grad.stride(0), grad.stride(1), grad.stride(2),
-      grad.stride(3)};
   const int64_t plane_size = height * width;
   auto stream = at::cuda::getCurrentCUDAStream();
-  const bool deterministic = at::globalContext().deterministicAlgorithms();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, grad.scalar_type(), "detops.roi_pool_backward", [&] {
         if (deterministic) {
+          const PooledIndex<int64_t> index{
+              channels, pooled_height, pooled_width, grad.stride(0), grad.stride(1),
+              grad.stride(2), grad.stride(3)};
           // int32 keys sort faster; the sentinel (numel) must fit too.
           if (grad_input.numel() < std::numeric_limits<int32_t>::max()) {
             backward_deterministic<scalar_t, int32_t>(
@@ -251,16 +464,20 @@ at::Tensor roi_pool_backward_cuda(
           return;
         }
         using acc_t = at::opmath_type<scalar_t>;
-        at::Tensor acc = grad_input;
-        if (grad_input.scalar_type() != c10::CppTypeToScalarType<acc_t>::value) {
-          acc = at::zeros(grad_input.sizes(), grad_input.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+        at::Tensor acc = wide_acc ? at::zeros(grad_input.sizes(), grad_input.options().dtype(
+                                                                   c10::CppTypeToScalarType<acc_t>::value))
+                                  : grad_input;
+        const bool contiguous = grad.is_contiguous();
+        if (total < std::numeric_limits<int32_t>::max()) {
+          launch_backward_atomic<scalar_t, int32_t>(
+              contiguous, total, grad, argmax, rois, channels, pooled_height, pooled_width,
+              batch_size, plane_size, acc, stream);
+        } else {
+          launch_backward_atomic<scalar_t, int64_t>(
+              contiguous, total, grad, argmax, rois, channels, pooled_height, pooled_width,
+              batch_size, plane_size, acc, stream);
         }
-        roi_pool_backward_atomic_kernel<scalar_t>
-            <<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(
-                total, grad.const_data_ptr<scalar_t>(), index, argmax.const_data_ptr<int32_t>(),
-                rois.const_data_ptr<scalar_t>(), batch_size, plane_size, acc.data_ptr<acc_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        if (!acc.is_same(grad_input)) grad_input.copy_(acc);
+        if (wide_acc) grad_input.copy_(acc);
       });
   return grad_input;
 }
