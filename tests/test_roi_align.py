@@ -568,3 +568,146 @@ def test_cuda_deterministic_backward_images_without_rois_and_invalid_indices():
     xc = x.detach().cpu().requires_grad_()
     roi_align(xc, rois.cpu(), 7, 0.25, 2, True).sum().backward()
     torch.testing.assert_close(x.grad.cpu(), xc.grad, atol=1e-5, rtol=1e-5)
+
+
+# --- CUDA plane kernels (NCHW input, a block per image, channel and band of rows) ---------------
+
+
+def _plane_rois(batch, n, height, width, scale, dtype, seed=0):
+    """RoIs in image coordinates: many spill over the border, some lie wholly outside, a few
+    cover the whole map (many samples per bin with an adaptive grid); batch indices unsorted."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = height / scale, width / scale
+    xy = torch.rand(n, 2, generator=g, dtype=torch.float64) * torch.tensor([w * 1.2, h * 1.2]) - torch.tensor([w * 0.1, h * 0.1])
+    wh = torch.rand(n, 2, generator=g, dtype=torch.float64) * torch.tensor([w, h]) * 0.6 + 1
+    boxes = torch.cat([xy, xy + wh], 1)
+    boxes[: n // 10] = torch.tensor([-2.0, -3.0, w + 4, h + 2], dtype=torch.float64)  # whole map
+    boxes[n // 10 : n // 10 + 3] = torch.tensor([w + 10, h + 10, w + 40, h + 50], dtype=torch.float64)  # outside
+    idx = torch.randint(0, batch, (n, 1), generator=g).double()
+    return torch.cat([idx, boxes], 1).to(dtype)
+
+
+@contextlib.contextmanager
+def _plane_env(monkeypatch, mode, rows=None):
+    with monkeypatch.context() as m:
+        m.setenv("DETOPS_ROI_ALIGN_PLANE", mode)
+        if rows is None:
+            m.delenv("DETOPS_ROI_ALIGN_PLANE_ROWS", raising=False)
+        else:
+            m.setenv("DETOPS_ROI_ALIGN_PLANE_ROWS", str(rows))
+        yield
+
+
+PLANE_TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+    torch.float16: dict(atol=2e-2, rtol=2e-2),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [None, 7, 1])
+@pytest.mark.parametrize("aligned,sampling_ratio", [(True, 2), (False, 2), (True, 0), (False, -1), (True, 3)])
+def test_cuda_plane_forward_matches_other_kernels(monkeypatch, dtype, rows, aligned, sampling_ratio):
+    # rows=None: one band holds the plane; 7 / 1: many bands, RoIs spanning their borders
+    x = features(batch=3, channels=5, height=37, width=29, dtype=dtype, device="cuda", seed=2)
+    scale = 0.5
+    rois = _plane_rois(3, 60, 37, 29, scale, dtype).cuda()
+    with _plane_env(monkeypatch, "1", rows):
+        got = roi_align(x, rois, (7, 5), scale, sampling_ratio, aligned)
+    with _plane_env(monkeypatch, "0"):
+        other = roi_align(x, rois, (7, 5), scale, sampling_ratio, aligned)
+    # the same geometry and the same sum, term for term, as the other CUDA kernels
+    torch.testing.assert_close(got, other, atol=0, rtol=0)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    expected = roi_align(x.cpu().to(acc), rois.cpu().to(acc), (7, 5), scale, sampling_ratio, aligned)
+    torch.testing.assert_close(got.cpu().to(acc), expected, **PLANE_TOL[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [None, 7, 1])
+@pytest.mark.parametrize("aligned,sampling_ratio", [(True, 2), (False, -1), (True, 0)])
+def test_cuda_plane_backward_matches_cpu(monkeypatch, dtype, rows, aligned, sampling_ratio):
+    x = features(batch=4, channels=3, height=37, width=29, dtype=dtype, seed=3)
+    scale = 0.5
+    rois = _plane_rois(3, 40, 37, 29, scale, dtype, seed=1)  # image 3 has no RoIs
+    grad = torch.randn(rois.size(0), 3, 4, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(dtype)
+    args = (scale, 4, 3, 4, 3, 37, 29, sampling_ratio, aligned)
+    with _plane_env(monkeypatch, "1", rows):
+        got = torch.ops.detops._roi_align_backward(grad.cuda(), rois.cuda(), *args)
+        # through autograd as well
+        xg = x.cuda().requires_grad_()
+        roi_align(xg, rois.cuda(), (4, 3), scale, sampling_ratio, aligned).backward(grad.cuda())
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    expected = torch.ops.detops._roi_align_backward(grad.to(acc), rois.to(acc), *args)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype in (torch.float32, torch.float64):
+        tol = PLANE_TOL[dtype]
+    else:
+        tol = dict(atol=4 * LOW_TOL[dtype] * max(1.0, expected.abs().max().item()), rtol=0)
+    torch.testing.assert_close(got.cpu().to(acc), expected, **tol)
+    torch.testing.assert_close(xg.grad.cpu().to(acc), expected, **tol)
+    assert got[3].abs().max() == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_plane_large_plane_has_bands(monkeypatch, dtype):
+    # 700 x 700 does not fit one block's shared memory: bands with no row cap
+    x = features(batch=2, channels=3, height=700, width=700, dtype=dtype, device="cuda", seed=5)
+    rois = _plane_rois(2, 300, 700, 700, 0.25, dtype, seed=5).cuda()
+    grad = torch.randn(300, 3, 7, 7, device="cuda", dtype=dtype)
+    with _plane_env(monkeypatch, "1"):
+        got = roi_align(x, rois, 7, 0.25, 2, True)
+        g = torch.ops.detops._roi_align_backward(grad, rois, 0.25, 7, 7, 2, 3, 700, 700, 2, True)
+    with _plane_env(monkeypatch, "0"):
+        other = roi_align(x, rois, 7, 0.25, 2, True)
+        g_other = torch.ops.detops._roi_align_backward(grad, rois, 0.25, 7, 7, 2, 3, 700, 700, 2, True)
+    torch.testing.assert_close(got, other, atol=0, rtol=0)
+    scale = max(1.0, g_other.float().abs().max().item())
+    tol = 1e-5 if dtype == torch.float32 else 4 * LOW_TOL[dtype]
+    torch.testing.assert_close(g.float(), g_other.float(), atol=tol * scale, rtol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_plane_many_images_and_auto_choice(monkeypatch):
+    # 9 images, RoIs in shuffled image order; the default choice (many samples per plane) and
+    # the forced plane kernels agree with the other kernels
+    x = features(batch=9, channels=16, height=24, width=40, device="cuda", seed=6)
+    rois = _plane_rois(9, 500, 24, 40, 0.5, torch.float32, seed=6).cuda()
+    grad = torch.randn(500, 16, 7, 7, device="cuda")
+    results = {}
+    for mode in ("auto", "1", "0"):
+        with _plane_env(monkeypatch, mode):
+            xg = x.clone().requires_grad_()
+            out = roi_align(xg, rois, 7, 0.5, 2, True)
+            out.backward(grad)
+            results[mode] = (out, xg.grad)
+    for mode in ("auto", "1"):
+        torch.testing.assert_close(results[mode][0], results["0"][0], atol=0, rtol=0)
+        torch.testing.assert_close(results[mode][1], results["0"][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_plane_empty_and_unused_images(monkeypatch):
+    x = features(batch=3, channels=2, height=20, width=20, device="cuda").requires_grad_()
+    with _plane_env(monkeypatch, "1", 4):
+        out = roi_align(x, torch.zeros(0, 5, device="cuda"), (2, 3), 1.0, 2, True)
+        assert out.shape == (0, 2, 2, 3)
+        out.sum().backward()
+        assert x.grad.abs().max() == 0
+        x.grad = None
+        rois = torch.tensor([[2, 0.0, 0.0, 15.0, 19.0], [2, 3.0, 1.0, 9.0, 9.0]], device="cuda")
+        out = roi_align(x, rois, (3, 3), 1.0, 0, True)
+        out.sum().backward()
+    torch.testing.assert_close(out, roi_align(x.detach(), rois, (3, 3), 1.0, 0, True), atol=0, rtol=0)
+    assert x.grad[:2].abs().max() == 0 and x.grad[2].abs().max() > 0
+    # a non-contiguous (strided channels) input
+    xs = features(batch=2, channels=4, height=20, width=20, device="cuda")[:, ::2]
+    rois = _plane_rois(2, 30, 20, 20, 1.0, torch.float32).cuda()
+    with _plane_env(monkeypatch, "1", 5):
+        got = roi_align(xs, rois, 3, 1.0, 2, False)
+    torch.testing.assert_close(got, roi_align(xs.contiguous(), rois, 3, 1.0, 2, False), atol=0, rtol=0)
