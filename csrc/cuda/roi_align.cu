@@ -36,7 +36,6 @@
 #include "../common/roi_align_checks.h"
 #include "../common/roi_align_geometry.h"
 #include "cuda_helpers.h"
-#include "roi_align_plane.h"
 
 namespace detops {
 namespace ops {
@@ -569,13 +568,6 @@ at::Tensor roi_align_forward_cuda(
   const int64_t sample_estimate = rois.size(0) * channels * bins * 4 *
       std::max<int64_t>(1, sampling_ratio > 0 ? sampling_ratio * sampling_ratio : 4);
   const bool channels_last = input.is_contiguous(at::MemoryFormat::ChannelsLast);
-  // NCHW input with many samples per plane: the plane kernels (roi_align_plane.cu) read each
-  // channel plane once into shared memory instead of gathering sectors per sample.
-  if (!channels_last &&
-      roi_align_plane::forward(input, r, spatial_scale, pooled_height, pooled_width, sampling_ratio,
-                               aligned, output)) {
-    return output;
-  }
   // Measured on an H200 (BENCHMARKS.md): the NCHW tiled kernel costs about 1.9 ns per 1000
   // samples, the channels-last one about 1.0, and torch's conversion about 7.4 per 1000 input
   // elements, so converting pays from about 8 samples per input element.
@@ -742,12 +734,6 @@ at::Tensor roi_align_backward_cuda(
     });
     return grad_input;
   }
-
-  // Shared-memory accumulation per channel plane band when it pays (roi_align_plane.cu).
-  at::Tensor plane_grad = roi_align_plane::backward(
-      grad, r, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width,
-      sampling_ratio, aligned);
-  if (plane_grad.defined()) return plane_grad;
 
   at::Tensor acc = at::zeros(
       {batch_size, channels, height, width}, grad.options().dtype(acc_dtype_of(dtype)));
