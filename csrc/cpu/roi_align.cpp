@@ -26,6 +26,7 @@
 
 #include "../common/roi_align_checks.h"
 #include "../common/roi_align_geometry.h"
+#include "plane_chunks.h"
 
 namespace detops {
 namespace ops {
@@ -213,28 +214,6 @@ at::Tensor roi_align_forward_cpu(
   return output;
 }
 
-// Splits the (image, channel) planes p = b * channels + c, where a plane of image b costs
-// rois_of[b] units of work, into `chunks` consecutive ranges of about equal cost: range j is
-// [bounds[j], bounds[j + 1]).
-inline std::vector<int64_t> balanced_plane_ranges(
-    const std::vector<int64_t>& first, int64_t channels, int64_t chunks) {
-  const int64_t batch = static_cast<int64_t>(first.size()) - 1;
-  const int64_t total = first[batch] * channels;  // sum of the cost of every plane
-  std::vector<int64_t> bounds(chunks + 1, batch * channels);
-  bounds[0] = 0;
-  int64_t b = 0;
-  for (int64_t j = 1; j < chunks; ++j) {
-    // the first plane whose cost before it reaches j / chunks of the total
-    const int64_t target = total / chunks * j + total % chunks * j / chunks;
-    while (b < batch && first[b + 1] * channels <= target) ++b;
-    if (b == batch) break;
-    const int64_t n = first[b + 1] - first[b];  // > 0 here
-    const int64_t c = (target - first[b] * channels + n - 1) / n;
-    bounds[j] = std::max(bounds[j - 1], b * channels + std::min(c, channels));
-  }
-  return bounds;
-}
-
 template <typename scalar_t>
 void backward_typed(
     const at::Tensor& grad_in, const at::Tensor& rois_in, double spatial_scale,
@@ -267,7 +246,7 @@ void backward_typed(
   const int64_t planes = batch * channels;
   const int64_t chunks =
       std::max<int64_t>(1, std::min<int64_t>(planes, int64_t{at::get_num_threads()} * 4));
-  const std::vector<int64_t> bounds = balanced_plane_ranges(first, channels, chunks);
+  const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
 
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<PlaneSample<acc_t>> samples;

@@ -1,10 +1,15 @@
 // RoIPool (max) forward and backward on the CPU.
 //
-// Forward: one work item per (RoI, channel); the input is read through its strides, so
-// contiguous, channels_last and other strided inputs need no copy. Backward: one work item per
-// (image, channel) plane of grad_input, which sums the gradients of that image's RoIs in RoI
-// order into a private buffer and writes the plane once: race-free, deterministic, and the same
-// summation order as a serial loop over RoIs.
+// Forward: one work item per (RoI, block of channels). The bin windows of a RoI are computed
+// once per item and each window is scanned for all the block's channels together: the
+// channels are independent maximum chains (and, for channels_last input, contiguous loads).
+// The input is read through its strides, so contiguous, channels_last and other strided
+// inputs need no copy. Each channel's scan is geometry::roi_pool_max's: row-major order, a
+// strictly greater value replaces the maximum, so the first maximum wins and NaN never does.
+// Backward: grad_input is cut into ranges of (image, channel) planes of equal work; each plane
+// receives the gradients of its image's RoIs in RoI order: race-free, deterministic, and the
+// same summation order as a serial loop over RoIs. float32 / float64 add into grad_input
+// directly; float16 / bfloat16 through a float32 plane that is rounded once at the end.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -12,10 +17,12 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../common/checks.h"
 #include "../common/roi_pool_geometry.h"
+#include "plane_chunks.h"
 
 namespace detops {
 namespace ops {
@@ -41,6 +48,33 @@ std::vector<int64_t> batch_indices(const char* op, const at::Tensor& rois, int64
   return out;
 }
 
+constexpr int64_t kChannelBlock = 8;
+
+// Maximum and argmax of the window [h0, h1) x [w0, w1) for channels [0, nc): channel c reads
+// planes[c] with strides (s_h, s_w). kFixed > 0 makes nc a compile-time constant.
+template <int64_t kFixed, typename acc_t, typename scalar_t>
+inline void window_max(
+    const scalar_t* const* planes, int64_t nc_runtime, int64_t s_h, int64_t s_w, int64_t width,
+    int64_t h0, int64_t h1, int64_t w0, int64_t w1, acc_t* best, int64_t* best_idx) {
+  const int64_t nc = kFixed > 0 ? kFixed : nc_runtime;
+  for (int64_t c = 0; c < nc; ++c) {
+    best[c] = geometry::roi_pool_lowest<acc_t>();
+    best_idx[c] = -1;
+  }
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t off = h * s_h + w * s_w;
+      const int64_t pos = h * width + w;
+      for (int64_t c = 0; c < nc; ++c) {
+        const acc_t v = static_cast<acc_t>(planes[c][off]);
+        const bool greater = v > best[c];
+        best[c] = greater ? v : best[c];
+        best_idx[c] = greater ? pos : best_idx[c];
+      }
+    }
+  }
+}
+
 template <typename scalar_t>
 void roi_pool_forward_typed(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
@@ -56,33 +90,46 @@ void roi_pool_forward_typed(
   const scalar_t* r = rois.const_data_ptr<scalar_t>();
   scalar_t* out = output.data_ptr<scalar_t>();
   int32_t* arg = argmax.data_ptr<int32_t>();
+  const int64_t blocks = (channels + kChannelBlock - 1) / kChannelBlock;
 
-  const int64_t grain = std::max<int64_t>(1, 1024 / bins);
-  at::parallel_for(0, rois.size(0) * channels, grain, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t k = i / channels, c = i % channels;
+  at::parallel_for(0, rois.size(0) * blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t k = item / blocks;
+      const int64_t c0 = (item - k * blocks) * kChannelBlock;
+      const int64_t nc = std::min(kChannelBlock, channels - c0);
       const scalar_t* roi = r + k * 5;
       const auto box = roi_pool_box<acc_t>(
           static_cast<acc_t>(roi[0]), static_cast<acc_t>(roi[1]), static_cast<acc_t>(roi[2]),
           static_cast<acc_t>(roi[3]), static_cast<acc_t>(roi[4]), scale, batch, pooled_height,
           pooled_width);
-      const scalar_t* plane = in + (box.batch >= 0 ? box.batch * s_b + c * s_c : 0);
-      scalar_t* o = out + i * bins;
-      int32_t* a = arg + i * bins;
+      const scalar_t* planes[kChannelBlock];
+      for (int64_t c = 0; c < nc; ++c) {
+        planes[c] = in + (box.batch >= 0 ? box.batch * s_b + (c0 + c) * s_c : 0);
+      }
+      scalar_t* o = out + (k * channels + c0) * bins;
+      int32_t* a = arg + (k * channels + c0) * bins;
       for (int64_t ph = 0; ph < pooled_height; ++ph) {
         for (int64_t pw = 0; pw < pooled_width; ++pw) {
           const int64_t j = ph * pooled_width + pw;
           int64_t h0, h1, w0, w1;
           if (!roi_pool_bin(box, ph, pw, height, width, h0, h1, w0, w1)) {
-            o[j] = scalar_t(0);
-            a[j] = -1;
+            for (int64_t c = 0; c < nc; ++c) {
+              o[c * bins + j] = scalar_t(0);
+              a[c * bins + j] = -1;
+            }
             continue;
           }
-          int64_t best_idx;
-          const acc_t best =
-              geometry::roi_pool_max<acc_t>(plane, s_h, s_w, width, h0, h1, w0, w1, best_idx);
-          o[j] = static_cast<scalar_t>(best);
-          a[j] = static_cast<int32_t>(best_idx);
+          acc_t best[kChannelBlock];
+          int64_t best_idx[kChannelBlock];
+          if (nc == kChannelBlock) {
+            window_max<kChannelBlock>(planes, nc, s_h, s_w, width, h0, h1, w0, w1, best, best_idx);
+          } else {
+            window_max<0>(planes, nc, s_h, s_w, width, h0, h1, w0, w1, best, best_idx);
+          }
+          for (int64_t c = 0; c < nc; ++c) {
+            o[c * bins + j] = static_cast<scalar_t>(best[c]);
+            a[c * bins + j] = static_cast<int32_t>(best_idx[c]);
+          }
         }
       }
     }
@@ -138,13 +185,27 @@ void roi_pool_backward_typed(
     for (int64_t k = 0; k < k_total; ++k) by_image[fill[roi_batch[k]]++] = k;
   }
 
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, plane_size));
-  at::parallel_for(0, batch * channels, grain, [&](int64_t p0, int64_t p1) {
-    std::vector<acc_t> acc(plane_size);
-    for (int64_t p = p0; p < p1; ++p) {
+  // A few chunks of equal work per thread; the chunking never changes the order in which a
+  // plane receives its additions.
+  const int64_t planes = batch * channels;
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>(planes, int64_t{at::get_num_threads()} * 4));
+  const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
+  constexpr bool kDirect = std::is_same<acc_t, scalar_t>::value;
+
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    std::vector<acc_t> buffer(kDirect ? 0 : plane_size);
+    for (int64_t p = bounds[chunk_begin]; p < bounds[chunk_end]; ++p) {
       const int64_t b = p / channels, c = p % channels;
       if (first[b] == first[b + 1]) continue;  // no RoI on this image: stays zero
-      std::fill(acc.begin(), acc.end(), acc_t(0));
+      scalar_t* dst = gi + p * plane_size;
+      acc_t* acc;
+      if constexpr (kDirect) {
+        acc = dst;  // grad_input starts at zero
+      } else {
+        std::fill(buffer.begin(), buffer.end(), acc_t(0));
+        acc = buffer.data();
+      }
       for (int64_t q = first[b]; q < first[b + 1]; ++q) {
         const int64_t k = by_image[q];
         const int32_t* a = arg + (k * channels + c) * bins;
@@ -156,8 +217,9 @@ void roi_pool_backward_typed(
           }
         }
       }
-      scalar_t* dst = gi + p * plane_size;
-      for (int64_t j = 0; j < plane_size; ++j) dst[j] = static_cast<scalar_t>(acc[j]);
+      if constexpr (!kDirect) {
+        for (int64_t j = 0; j < plane_size; ++j) dst[j] = static_cast<scalar_t>(acc[j]);
+      }
     }
   });
 }
