@@ -186,6 +186,22 @@ def test_channel_blocks_layouts_and_threads_agree(dtype, channels):
         assert torch.equal(want[0], out) and torch.equal(want[2], xt.grad)
 
 
+def test_ties_signed_zeros_and_nan_match_torchvision():
+    """Many equal values, -0 / +0 and NaN: the first maximum in row-major order wins, NaN never
+    does, exactly as torchvision's scan."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randint(-2, 2, (2, 5, 12, 10), generator=g).float()
+    x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, -0.0, 0.0)
+    x[torch.rand(x.shape, generator=g) < 0.1] = float("nan")
+    x[:, :, :3, :3] = float("nan")  # bins that only hold NaN
+    rois = random_rois(30, 2, 12, 10, 1.0, seed=9)
+    out, arg = op(x, rois, 1.0, 4, 3)
+    want = torchvision.ops.roi_pool(x, rois, (4, 3), 1.0)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))  # bits, zero signs included
+    fb = torch.ops.torchvision.roi_pool(x, rois, 1.0, 4, 3)[1]
+    assert torch.equal(arg, fb.int())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty(device):
     x = torch.randn(2, 3, 5, 5, device=device, requires_grad=True)

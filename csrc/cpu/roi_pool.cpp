@@ -1,11 +1,10 @@
 // RoIPool (max) forward and backward on the CPU.
 //
-// Forward: one work item per (RoI, block of channels). The bin windows of a RoI are computed
-// once per item and each window is scanned for all the block's channels together: the
-// channels are independent maximum chains (and, for channels_last input, contiguous loads).
-// The input is read through its strides, so contiguous, channels_last and other strided
-// inputs need no copy. Each channel's scan is geometry::roi_pool_max's: row-major order, a
-// strictly greater value replaces the maximum, so the first maximum wins and NaN never does.
+// Forward: one work item per (RoI, block of channels); each bin window is computed once per
+// item and scanned channel by channel. The input is read through its strides, so contiguous,
+// channels_last and other strided inputs need no copy. Each scan gives geometry::roi_pool_max's
+// result (row-major order, the first maximum wins, NaN never does), in two passes that carry
+// no dependency from one element to the next through an index (see window_max).
 // Backward: grad_input is cut into ranges of (image, channel) planes of equal work; each plane
 // receives the gradients of its image's RoIs in RoI order: race-free, deterministic, and the
 // same summation order as a serial loop over RoIs. float32 / float64 add into grad_input
@@ -50,29 +49,44 @@ std::vector<int64_t> batch_indices(const char* op, const at::Tensor& rois, int64
 
 constexpr int64_t kChannelBlock = 8;
 
-// Maximum and argmax of the window [h0, h1) x [w0, w1) for channels [0, nc): channel c reads
-// planes[c] with strides (s_h, s_w). kFixed > 0 makes nc a compile-time constant.
-template <int64_t kFixed, typename acc_t, typename scalar_t>
-inline void window_max(
-    const scalar_t* const* planes, int64_t nc_runtime, int64_t s_h, int64_t s_w, int64_t width,
-    int64_t h0, int64_t h1, int64_t w0, int64_t w1, acc_t* best, int64_t* best_idx) {
-  const int64_t nc = kFixed > 0 ? kFixed : nc_runtime;
-  for (int64_t c = 0; c < nc; ++c) {
-    best[c] = geometry::roi_pool_lowest<acc_t>();
-    best_idx[c] = -1;
-  }
+// geometry::roi_pool_max of one channel in two passes: the largest value (two independent
+// maximum chains; NaN never replaces a maximum), then the first element equal to it in
+// row-major order, which is the element the serial scan keeps (a later equal value never
+// replaces it, -0 and +0 included). Same value bits and index as the serial scan.
+template <typename acc_t, typename scalar_t>
+inline acc_t window_max(
+    const scalar_t* plane, int64_t s_h, int64_t s_w, int64_t width, int64_t h0, int64_t h1,
+    int64_t w0, int64_t w1, int64_t& best_idx) {
+  const acc_t lowest = geometry::roi_pool_lowest<acc_t>();
+  acc_t m0 = lowest, m1 = lowest;
   for (int64_t h = h0; h < h1; ++h) {
+    const scalar_t* row = plane + h * s_h;
+    int64_t w = w0;
+    for (; w + 1 < w1; w += 2) {
+      const acc_t v0 = static_cast<acc_t>(row[w * s_w]);
+      const acc_t v1 = static_cast<acc_t>(row[(w + 1) * s_w]);
+      m0 = v0 > m0 ? v0 : m0;
+      m1 = v1 > m1 ? v1 : m1;
+    }
+    if (w < w1) {
+      const acc_t v0 = static_cast<acc_t>(row[w * s_w]);
+      m0 = v0 > m0 ? v0 : m0;
+    }
+  }
+  const acc_t m = m1 > m0 ? m1 : m0;
+  best_idx = -1;
+  if (!(m > lowest)) return lowest;
+  for (int64_t h = h0; h < h1; ++h) {
+    const scalar_t* row = plane + h * s_h;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t off = h * s_h + w * s_w;
-      const int64_t pos = h * width + w;
-      for (int64_t c = 0; c < nc; ++c) {
-        const acc_t v = static_cast<acc_t>(planes[c][off]);
-        const bool greater = v > best[c];
-        best[c] = greater ? v : best[c];
-        best_idx[c] = greater ? pos : best_idx[c];
+      const acc_t v = static_cast<acc_t>(row[w * s_w]);
+      if (v == m) {
+        best_idx = h * width + w;
+        return v;
       }
     }
   }
+  return m;  // not reached: m is one of the window's values
 }
 
 template <typename scalar_t>
@@ -119,16 +133,12 @@ void roi_pool_forward_typed(
             }
             continue;
           }
-          acc_t best[kChannelBlock];
-          int64_t best_idx[kChannelBlock];
-          if (nc == kChannelBlock) {
-            window_max<kChannelBlock>(planes, nc, s_h, s_w, width, h0, h1, w0, w1, best, best_idx);
-          } else {
-            window_max<0>(planes, nc, s_h, s_w, width, h0, h1, w0, w1, best, best_idx);
-          }
           for (int64_t c = 0; c < nc; ++c) {
-            o[c * bins + j] = static_cast<scalar_t>(best[c]);
-            a[c * bins + j] = static_cast<int32_t>(best_idx[c]);
+            int64_t best_idx;
+            const acc_t best =
+                window_max<acc_t>(planes[c], s_h, s_w, width, h0, h1, w0, w1, best_idx);
+            o[c * bins + j] = static_cast<scalar_t>(best);
+            a[c * bins + j] = static_cast<int32_t>(best_idx);
           }
         }
       }
