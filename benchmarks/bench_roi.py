@@ -12,7 +12,7 @@ import torch
 import torchvision
 
 import detops
-from benchmarks.timing import HEADER, Row, compare
+from benchmarks.timing import HEADER, Row, compare, format_ms, format_row, median_ms
 from detops.testing import random_rois
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -37,6 +37,44 @@ def _check_close(ours, tv_fn, x, rois, dtype):
     torchvision computes half-precision RoI coordinates in half, detops in float32."""
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(ours.float(), tv_fn(x.float(), rois.float()), rtol=tol, atol=tol)
+
+
+def _cpu_threads(x, rois, grad, size, runs) -> List[Row]:
+    """CPU rows at one thread (torchvision's CPU kernels use one), then detops' scaling: its
+    one-thread time over its N-thread time, N = torch.get_num_threads(); the target is 0.7 * N."""
+    n = torch.get_num_threads()
+    shape = "x".join(str(s) for s in x.shape)
+    tag = f"{shape}, {rois.size(0)} RoIs, {size}x{size}, fp32"
+    ops = {
+        "roi_align": (
+            lambda a, r: detops.ops.roi_align(a, r, size, 0.25, 2, True),
+            lambda a, r: torchvision.ops.roi_align(a, r, size, 0.25, 2, True),
+        ),
+        "roi_pool": (
+            lambda a, r: detops.ops.roi_pool(a, r, size, 0.25),
+            lambda a, r: torchvision.ops.roi_pool(a, r, size, 0.25),
+        ),
+    }
+    cases = []
+    for name, (ours, theirs) in ops.items():
+        cases.append((f"{name} fwd", lambda o=ours: o(x, rois), lambda t=theirs: t(x, rois)))
+        cases.append((f"{name} fwd+bwd", lambda o=ours: _fwd_bwd(o, x, rois, grad), lambda t=theirs: _fwd_bwd(t, x, rois, grad)))
+    rows: List[Row] = []
+    try:
+        torch.set_num_threads(1)
+        one = []
+        for case, ours, theirs in cases:
+            rows.append(compare(f"{case}, 1 thread, {tag}", "cpu", ours, theirs, **runs))
+            one.append(rows[-1].detops_ms)
+    finally:
+        torch.set_num_threads(n)
+    for (case, ours, _), t1 in zip(cases, one):
+        tn = median_ms(ours, "cpu", **{**runs, "warmup": 5})  # thread pool back to N threads
+        note = f"scaling {t1 / tn:.2f}x = {format_ms(t1)} / {format_ms(tn)} (target {0.7 * n:.1f}x)"
+        row = Row(f"{case}, detops 1 vs {n} threads, {tag}", "cpu", tn, None, note=note)
+        print(format_row(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def run(devices: List[str], quick: bool = False) -> List[Row]:
@@ -117,6 +155,8 @@ def run(devices: List[str], quick: bool = False) -> List[Row]:
                         rows.append(compare(f"roi_pool fwd+bwd deterministic, {tag}", device, lambda: _fwd_bwd(ours_p, x, rois, grad), None, **runs))
                     finally:
                         torch.use_deterministic_algorithms(False)
+                if device == "cpu":
+                    rows += _cpu_threads(x, rois, grad, size, runs)
     return rows
 
 

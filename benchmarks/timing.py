@@ -19,6 +19,9 @@ class Row:
     device: str
     detops_ms: float
     torchvision_ms: Optional[float]
+    # Replaces the speedup column when set (e.g. a thread-scaling ratio, which has no
+    # torchvision side).
+    note: Optional[str] = None
 
     @property
     def speedup(self) -> Optional[float]:
@@ -67,7 +70,10 @@ def format_ms(ms: Optional[float]) -> str:
 
 
 def format_row(row: Row) -> str:
-    ratio = f"{row.speedup:.1f}x" if row.speedup is not None else "n/a"
+    if row.note is not None:
+        ratio = row.note
+    else:
+        ratio = f"{row.speedup:.1f}x" if row.speedup is not None else "n/a"
     return f"| {row.case} | {row.device} | {format_ms(row.torchvision_ms)} | {format_ms(row.detops_ms)} | {ratio} |"
 
 

@@ -229,6 +229,45 @@ def test_backward_is_thread_count_independent():
         assert torch.equal(g, grads[0])
 
 
+def _with_threads(n, fn):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("channels", [1, 7, 8, 13, 40])
+def test_cpu_channels_last_and_threads_agree(dtype, channels):
+    """The channels_last path (read in place) and the NCHW path (channel blocks) give the same
+    bits, and so does any thread count, forward and backward; float32 also matches
+    torchvision. Channel counts cover whole and partial blocks."""
+    x = features(batch=3, channels=channels, height=16, width=13, dtype=dtype)
+    rois = torch.cat([edge_rois(3, 0.5, dtype, "cpu", seed=s) for s in range(3)])
+    rois[:, 0] = rois[:, 0].clamp(max=1)  # image 2 has no RoIs; the others have different counts
+    rois[::3, 0] = 0
+    grad = torch.randn(rois.size(0), channels, 3, 4, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+    def run(t, n):
+        def f():
+            t_ = t.detach().requires_grad_()
+            out = roi_align(t_, rois, (3, 4), 0.5, -1, True)
+            out.backward(grad)
+            return out, t_.grad
+        return _with_threads(n, f)
+
+    out, g = run(x, 1)
+    for xi, n in ((x, 2), (x, 3), (x.to(memory_format=torch.channels_last), 1), (x.to(memory_format=torch.channels_last), 3)):
+        out_i, g_i = run(xi, n)
+        assert out_i.is_contiguous()
+        assert torch.equal(out_i, out) and torch.equal(g_i.contiguous(), g)
+    assert g[2].abs().max() == 0
+    if dtype == torch.float32:
+        assert torch.equal(out, tv_roi_align(x, rois, (3, 4), 0.5, -1, True))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     x = features(batch=2, channels=2, height=6, width=5, dtype=torch.float64, device=device).requires_grad_()

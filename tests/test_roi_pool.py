@@ -154,6 +154,55 @@ def test_channels_last_and_non_contiguous():
     assert torch.equal(xg.grad, x2.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("channels", [1, 8, 13])
+def test_channel_blocks_layouts_and_threads_agree(dtype, channels):
+    """Channel counts with whole and partial blocks, channels_last and NCHW input, and 1 to 3
+    threads all give the same outputs, argmax and gradient bits; float32 / float64 equal
+    torchvision's."""
+    x = distinct_input((3, channels, 11, 9), seed=5).to(dtype)
+    rois = random_rois(40, 2, 11, 9, 0.5, seed=6).to(dtype)  # image 2 has no RoIs
+    rois[::3, 0] = 0  # images with different RoI counts
+    grad = torch.randn(40, channels, 3, 2, generator=torch.Generator().manual_seed(7)).to(dtype)
+
+    def run(t, n):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            out, arg = op(t, rois, 0.5, 3, 2)
+            gi = op_bwd(grad, rois, arg, 0.5, 3, 2, 3, channels, 11, 9)
+        finally:
+            torch.set_num_threads(threads)
+        return out, arg, gi
+
+    want = run(x, 1)
+    for xi, n in ((x, 2), (x, 3), (x.to(memory_format=torch.channels_last), 1), (x.to(memory_format=torch.channels_last), 3)):
+        for a, b in zip(run(xi, n), want):
+            assert torch.equal(a, b)
+    assert want[2][2].abs().max() == 0
+    if dtype != torch.float16:
+        xt = x.clone().requires_grad_()
+        out = torchvision.ops.roi_pool(xt, rois, (3, 2), 0.5)
+        out.backward(grad)
+        assert torch.equal(want[0], out) and torch.equal(want[2], xt.grad)
+
+
+def test_ties_signed_zeros_and_nan_match_torchvision():
+    """Many equal values, -0 / +0 and NaN: the first maximum in row-major order wins, NaN never
+    does, exactly as torchvision's scan."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randint(-2, 2, (2, 5, 12, 10), generator=g).float()
+    x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, -0.0, 0.0)
+    x[torch.rand(x.shape, generator=g) < 0.1] = float("nan")
+    x[:, :, :3, :3] = float("nan")  # bins that only hold NaN
+    rois = random_rois(30, 2, 12, 10, 1.0, seed=9)
+    out, arg = op(x, rois, 1.0, 4, 3)
+    want = torchvision.ops.roi_pool(x, rois, (4, 3), 1.0)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))  # bits, zero signs included
+    fb = torch.ops.torchvision.roi_pool(x, rois, 1.0, 4, 3)[1]
+    assert torch.equal(arg, fb.int())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty(device):
     x = torch.randn(2, 3, 5, 5, device=device, requires_grad=True)

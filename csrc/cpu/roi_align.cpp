@@ -1,23 +1,32 @@
 // RoIAlign forward and backward on the CPU.
 //
 // The samples of a RoI (which pixels, with which weights) are the same for every channel, so
-// each task computes them once per RoI and then runs over its channels.
-//   forward:  parallel over (RoI, channel) pairs; a task that spans several channels of one RoI
-//             reuses that RoI's samples.
-//   backward: parallel over (image, channel) planes of grad_input; each task owns its planes and
-//             adds the RoIs of that image in index order, so there are no races and the result
-//             does not depend on the number of threads.
-// Inputs of any layout (contiguous, strided, channels_last) are read through a contiguous
-// NCHW copy; outputs are contiguous NCHW. float16 / bfloat16 accumulate in float32.
+// they are tabulated once per RoI and applied to a block of channels at a time: the table is
+// read once per sample for the whole block, and the channels give independent chains of adds.
+//   forward:  parallel over (RoI, channel block) items, outputs disjoint. NCHW input reads
+//             kChannelBlock planes per item; channels_last input is read in place, the
+//             channels of a pixel being contiguous, so the inner loop is a vector loop over
+//             channels.
+//   backward: parallel over (image, channel) planes of grad_input; each plane is owned by one
+//             task, which adds the RoIs of that image in index order (bins, samples and the
+//             four corners in a fixed order), so there are no races and the result does not
+//             depend on the number of threads. The planes are cut into chunks of equal work
+//             (images with more RoIs count for more), so threads finish together.
+// Every output element is the same expression in the same order on every path:
+//   sum += w1 * v1 + w2 * v2 + w3 * v3 + w4 * v4 per sample, then sum / count.
+// Other layouts are read through a contiguous NCHW copy; outputs are contiguous NCHW.
+// float16 / bfloat16 accumulate in float32.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../common/roi_align_checks.h"
 #include "../common/roi_align_geometry.h"
+#include "plane_chunks.h"
 
 namespace detops {
 namespace ops {
@@ -34,12 +43,13 @@ struct PlaneSample {
 };
 
 // The samples of one RoI that read the map, bin by bin: those of bin i are
-// samples[bin_start[i], bin_start[i + 1]). Returns the divisor of a bin.
+// samples[bin_start[i], bin_start[i + 1]). Pixel (y, x) is at offset (y * width + x) * stride
+// (stride 1 for an H x W plane, C for a channels_last image). Returns the divisor of a bin.
 template <typename T>
 T collect_samples(
     const T* roi, T spatial_scale, int64_t pooled_height, int64_t pooled_width,
     int64_t sampling_ratio, bool aligned, int64_t height, int64_t width,
-    std::vector<PlaneSample<T>>& samples, std::vector<int64_t>& bin_start) {
+    std::vector<PlaneSample<T>>& samples, std::vector<int64_t>& bin_start, int64_t stride = 1) {
   const roi_align::RoIBins<T> r = roi_align::roi_bins<T>(
       roi[1], roi[2], roi[3], roi[4], spatial_scale, pooled_height, pooled_width,
       sampling_ratio, aligned);
@@ -54,8 +64,9 @@ T collect_samples(
           const T x = roi_align::sample_coord(r.start_w, r.bin_w, pw, ix, r.grid_w);
           if (!roi_align::bilinear_sample(y, x, height, width, s)) continue;
           samples.push_back(PlaneSample<T>{
-              s.y_low * width + s.x_low, s.y_low * width + s.x_high,
-              s.y_high * width + s.x_low, s.y_high * width + s.x_high, s.w1, s.w2, s.w3, s.w4});
+              (s.y_low * width + s.x_low) * stride, (s.y_low * width + s.x_high) * stride,
+              (s.y_high * width + s.x_low) * stride, (s.y_high * width + s.x_high) * stride,
+              s.w1, s.w2, s.w3, s.w4});
         }
       }
       bin_start.push_back(static_cast<int64_t>(samples.size()));
@@ -77,6 +88,57 @@ at::Tensor checked_rois(const char* op, const at::Tensor& rois, int64_t batch_si
   return r;
 }
 
+// Channels per forward item of the NCHW path, and per pass of the backward over one sample.
+constexpr int64_t kChannelBlock = 8;
+// Channels per forward item of the channels_last path (one vector loop).
+constexpr int64_t kChannelsLastBlock = 32;
+
+// Forward of channels [0, nc) of one RoI, NCHW: channel c reads the plane planes[c] and writes
+// out_c[c * bins + i]. kFixed > 0 makes nc a compile-time constant (a full block).
+template <int64_t kFixed, typename scalar_t, typename acc_t>
+inline void forward_planes(
+    const scalar_t* const* planes, int64_t nc_runtime, const std::vector<PlaneSample<acc_t>>& samples,
+    const std::vector<int64_t>& bin_start, int64_t bins, acc_t count, scalar_t* out_c) {
+  const int64_t nc = kFixed > 0 ? kFixed : nc_runtime;
+  for (int64_t i = 0; i < bins; ++i) {
+    acc_t sum[kChannelBlock];
+    for (int64_t c = 0; c < nc; ++c) sum[c] = 0;
+    for (int64_t j = bin_start[i]; j < bin_start[i + 1]; ++j) {
+      const PlaneSample<acc_t> s = samples[j];
+      for (int64_t c = 0; c < nc; ++c) {
+        const scalar_t* p = planes[c];
+        sum[c] += s.w1 * static_cast<acc_t>(p[s.o1]) + s.w2 * static_cast<acc_t>(p[s.o2]) +
+            s.w3 * static_cast<acc_t>(p[s.o3]) + s.w4 * static_cast<acc_t>(p[s.o4]);
+      }
+    }
+    for (int64_t c = 0; c < nc; ++c) out_c[c * bins + i] = static_cast<scalar_t>(sum[c] / count);
+  }
+}
+
+// Forward of channels [0, nc) of one RoI, channels_last: image points at channel 0 of pixel 0
+// of the RoI's image, sample offsets are pixel * C.
+template <typename scalar_t, typename acc_t>
+inline void forward_channels_last(
+    const scalar_t* image, int64_t nc, const std::vector<PlaneSample<acc_t>>& samples,
+    const std::vector<int64_t>& bin_start, int64_t bins, acc_t count, scalar_t* out_c) {
+  for (int64_t i = 0; i < bins; ++i) {
+    acc_t sum[kChannelsLastBlock];
+    for (int64_t c = 0; c < nc; ++c) sum[c] = 0;
+    for (int64_t j = bin_start[i]; j < bin_start[i + 1]; ++j) {
+      const PlaneSample<acc_t> s = samples[j];
+      const scalar_t* q1 = image + s.o1;
+      const scalar_t* q2 = image + s.o2;
+      const scalar_t* q3 = image + s.o3;
+      const scalar_t* q4 = image + s.o4;
+      for (int64_t c = 0; c < nc; ++c) {
+        sum[c] += s.w1 * static_cast<acc_t>(q1[c]) + s.w2 * static_cast<acc_t>(q2[c]) +
+            s.w3 * static_cast<acc_t>(q3[c]) + s.w4 * static_cast<acc_t>(q4[c]);
+      }
+    }
+    for (int64_t c = 0; c < nc; ++c) out_c[c * bins + i] = static_cast<scalar_t>(sum[c] / count);
+  }
+}
+
 template <typename scalar_t>
 void forward_typed(
     const at::Tensor& input, const at::Tensor& rois_in, double spatial_scale,
@@ -88,38 +150,49 @@ void forward_typed(
   const int64_t num_rois = rois_in.size(0);
   const int64_t bins = pooled_height * pooled_width;
   const at::Tensor rois = checked_rois<acc_t>(kForwardOp, rois_in, batch);
-  const at::Tensor x = input.contiguous();
+  // channels_last is read in place; anything else through a contiguous NCHW view or copy.
+  const bool nhwc =
+      !input.is_contiguous() && input.is_contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor x = nhwc ? input : input.contiguous();
   const acc_t* roi_ptr = rois.const_data_ptr<acc_t>();
   const scalar_t* in = x.const_data_ptr<scalar_t>();
   scalar_t* out = output.data_ptr<scalar_t>();
   const acc_t scale = static_cast<acc_t>(spatial_scale);
+  const int64_t plane = height * width;
+  const int64_t block = nhwc ? kChannelsLastBlock : kChannelBlock;
+  const int64_t blocks = (channels + block - 1) / block;
 
-  const int64_t grain = std::max<int64_t>(1, 4096 / bins);
-  at::parallel_for(0, num_rois * channels, grain, [&](int64_t begin, int64_t end) {
+  // One item is (RoI k, channel block); items of one RoI are adjacent, so a task that holds
+  // several reuses the RoI's sample table.
+  at::parallel_for(0, num_rois * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<PlaneSample<acc_t>> samples;
     std::vector<int64_t> bin_start;
     int64_t cached = -1, b = 0;
     acc_t count = 1;
-    for (int64_t kc = begin; kc < end; ++kc) {
-      const int64_t k = kc / channels, c = kc % channels;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t k = item / blocks;
+      const int64_t c0 = (item - k * blocks) * block;
+      const int64_t nc = std::min(block, channels - c0);
       if (k != cached) {
         const acc_t* roi = roi_ptr + k * 5;
         b = static_cast<int64_t>(roi[0]);
         count = collect_samples(
             roi, scale, pooled_height, pooled_width, sampling_ratio, aligned, height, width,
-            samples, bin_start);
+            samples, bin_start, nhwc ? channels : 1);
         cached = k;
       }
-      const scalar_t* plane = in + (b * channels + c) * height * width;
-      scalar_t* o = out + kc * bins;
-      for (int64_t i = 0; i < bins; ++i) {
-        acc_t sum = 0;
-        for (int64_t j = bin_start[i]; j < bin_start[i + 1]; ++j) {
-          const PlaneSample<acc_t>& s = samples[j];
-          sum += s.w1 * static_cast<acc_t>(plane[s.o1]) + s.w2 * static_cast<acc_t>(plane[s.o2]) +
-              s.w3 * static_cast<acc_t>(plane[s.o3]) + s.w4 * static_cast<acc_t>(plane[s.o4]);
-        }
-        o[i] = static_cast<scalar_t>(sum / count);
+      scalar_t* out_c = out + (k * channels + c0) * bins;
+      if (nhwc) {
+        forward_channels_last(
+            in + b * plane * channels + c0, nc, samples, bin_start, bins, count, out_c);
+        continue;
+      }
+      const scalar_t* planes[kChannelBlock];
+      for (int64_t c = 0; c < nc; ++c) planes[c] = in + (b * channels + c0 + c) * plane;
+      if (nc == kChannelBlock) {
+        forward_planes<kChannelBlock>(planes, nc, samples, bin_start, bins, count, out_c);
+      } else {
+        forward_planes<0>(planes, nc, samples, bin_start, bins, count, out_c);
       }
     }
   });
@@ -157,6 +230,7 @@ void backward_typed(
   const scalar_t* g = grad.const_data_ptr<scalar_t>();
   acc_t* gi = grad_input.data_ptr<acc_t>();
   const acc_t scale = static_cast<acc_t>(spatial_scale);
+  const int64_t plane = height * width;
 
   // RoIs grouped by image, each group in index order (a counting sort).
   std::vector<int64_t> first(batch + 1, 0), order(num_rois);
@@ -167,28 +241,42 @@ void backward_typed(
     for (int64_t k = 0; k < num_rois; ++k) order[fill[static_cast<int64_t>(roi_ptr[k * 5])]++] = k;
   }
 
-  at::parallel_for(0, batch * channels, 1, [&](int64_t begin, int64_t end) {
+  // A few chunks of equal work per thread. Which task adds into a plane never changes the
+  // order of the additions, so the chunking does not affect the result.
+  const int64_t planes = batch * channels;
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>(planes, int64_t{at::get_num_threads()} * 4));
+  const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
+
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<PlaneSample<acc_t>> samples;
     std::vector<int64_t> bin_start;
+    const int64_t begin = bounds[chunk_begin], end = bounds[chunk_end];
     for (int64_t b = begin / channels; b * channels < end; ++b) {
-      const int64_t c0 = std::max(begin, b * channels) - b * channels;
-      const int64_t c1 = std::min(end, (b + 1) * channels) - b * channels;
+      const int64_t c_begin = std::max(begin, b * channels) - b * channels;
+      const int64_t c_end = std::min(end, (b + 1) * channels) - b * channels;
       for (int64_t r = first[b]; r < first[b + 1]; ++r) {
         const int64_t k = order[r];
         const acc_t count = collect_samples(
             roi_ptr + k * 5, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
             width, samples, bin_start);
-        for (int64_t c = c0; c < c1; ++c) {
-          acc_t* plane = gi + (b * channels + c) * height * width;
-          const scalar_t* gk = g + (k * channels + c) * bins;
+        for (int64_t c0 = c_begin; c0 < c_end; c0 += kChannelBlock) {
+          const int64_t nc = std::min(kChannelBlock, c_end - c0);
+          acc_t* dst[kChannelBlock];
+          for (int64_t c = 0; c < nc; ++c) dst[c] = gi + (b * channels + c0 + c) * plane;
+          const scalar_t* gk = g + (k * channels + c0) * bins;
           for (int64_t i = 0; i < bins; ++i) {
-            const acc_t gv = static_cast<acc_t>(gk[i]) / count;
+            acc_t gv[kChannelBlock];
+            for (int64_t c = 0; c < nc; ++c) gv[c] = static_cast<acc_t>(gk[c * bins + i]) / count;
             for (int64_t j = bin_start[i]; j < bin_start[i + 1]; ++j) {
-              const PlaneSample<acc_t>& s = samples[j];
-              plane[s.o1] += s.w1 * gv;
-              plane[s.o2] += s.w2 * gv;
-              plane[s.o3] += s.w3 * gv;
-              plane[s.o4] += s.w4 * gv;
+              const PlaneSample<acc_t> s = samples[j];
+              for (int64_t c = 0; c < nc; ++c) {
+                acc_t* p = dst[c];
+                p[s.o1] += s.w1 * gv[c];
+                p[s.o2] += s.w2 * gv[c];
+                p[s.o3] += s.w3 * gv[c];
+                p[s.o4] += s.w4 * gv[c];
+              }
             }
           }
         }

@@ -1,10 +1,14 @@
 // RoIPool (max) forward and backward on the CPU.
 //
-// Forward: one work item per (RoI, channel); the input is read through its strides, so
-// contiguous, channels_last and other strided inputs need no copy. Backward: one work item per
-// (image, channel) plane of grad_input, which sums the gradients of that image's RoIs in RoI
-// order into a private buffer and writes the plane once: race-free, deterministic, and the same
-// summation order as a serial loop over RoIs.
+// Forward: one work item per (RoI, block of channels); each bin window is computed once per
+// item and scanned channel by channel. The input is read through its strides, so contiguous,
+// channels_last and other strided inputs need no copy. Each scan gives geometry::roi_pool_max's
+// result (row-major order, the first maximum wins, NaN never does), in two passes that carry
+// no dependency from one element to the next through an index (see window_max).
+// Backward: grad_input is cut into ranges of (image, channel) planes of equal work; each plane
+// receives the gradients of its image's RoIs in RoI order: race-free, deterministic, and the
+// same summation order as a serial loop over RoIs. float32 / float64 add into grad_input
+// directly; float16 / bfloat16 through a float32 plane that is rounded once at the end.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -12,10 +16,12 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../common/checks.h"
 #include "../common/roi_pool_geometry.h"
+#include "plane_chunks.h"
 
 namespace detops {
 namespace ops {
@@ -41,6 +47,48 @@ std::vector<int64_t> batch_indices(const char* op, const at::Tensor& rois, int64
   return out;
 }
 
+constexpr int64_t kChannelBlock = 8;
+
+// geometry::roi_pool_max of one channel in two passes: the largest value (two independent
+// maximum chains; NaN never replaces a maximum), then the first element equal to it in
+// row-major order, which is the element the serial scan keeps (a later equal value never
+// replaces it, -0 and +0 included). Same value bits and index as the serial scan.
+template <typename acc_t, typename scalar_t>
+inline acc_t window_max(
+    const scalar_t* plane, int64_t s_h, int64_t s_w, int64_t width, int64_t h0, int64_t h1,
+    int64_t w0, int64_t w1, int64_t& best_idx) {
+  const acc_t lowest = geometry::roi_pool_lowest<acc_t>();
+  acc_t m0 = lowest, m1 = lowest;
+  for (int64_t h = h0; h < h1; ++h) {
+    const scalar_t* row = plane + h * s_h;
+    int64_t w = w0;
+    for (; w + 1 < w1; w += 2) {
+      const acc_t v0 = static_cast<acc_t>(row[w * s_w]);
+      const acc_t v1 = static_cast<acc_t>(row[(w + 1) * s_w]);
+      m0 = v0 > m0 ? v0 : m0;
+      m1 = v1 > m1 ? v1 : m1;
+    }
+    if (w < w1) {
+      const acc_t v0 = static_cast<acc_t>(row[w * s_w]);
+      m0 = v0 > m0 ? v0 : m0;
+    }
+  }
+  const acc_t m = m1 > m0 ? m1 : m0;
+  best_idx = -1;
+  if (!(m > lowest)) return lowest;
+  for (int64_t h = h0; h < h1; ++h) {
+    const scalar_t* row = plane + h * s_h;
+    for (int64_t w = w0; w < w1; ++w) {
+      const acc_t v = static_cast<acc_t>(row[w * s_w]);
+      if (v == m) {
+        best_idx = h * width + w;
+        return v;
+      }
+    }
+  }
+  return m;  // not reached: m is one of the window's values
+}
+
 template <typename scalar_t>
 void roi_pool_forward_typed(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
@@ -56,33 +104,42 @@ void roi_pool_forward_typed(
   const scalar_t* r = rois.const_data_ptr<scalar_t>();
   scalar_t* out = output.data_ptr<scalar_t>();
   int32_t* arg = argmax.data_ptr<int32_t>();
+  const int64_t blocks = (channels + kChannelBlock - 1) / kChannelBlock;
 
-  const int64_t grain = std::max<int64_t>(1, 1024 / bins);
-  at::parallel_for(0, rois.size(0) * channels, grain, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t k = i / channels, c = i % channels;
+  at::parallel_for(0, rois.size(0) * blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t k = item / blocks;
+      const int64_t c0 = (item - k * blocks) * kChannelBlock;
+      const int64_t nc = std::min(kChannelBlock, channels - c0);
       const scalar_t* roi = r + k * 5;
       const auto box = roi_pool_box<acc_t>(
           static_cast<acc_t>(roi[0]), static_cast<acc_t>(roi[1]), static_cast<acc_t>(roi[2]),
           static_cast<acc_t>(roi[3]), static_cast<acc_t>(roi[4]), scale, batch, pooled_height,
           pooled_width);
-      const scalar_t* plane = in + (box.batch >= 0 ? box.batch * s_b + c * s_c : 0);
-      scalar_t* o = out + i * bins;
-      int32_t* a = arg + i * bins;
+      const scalar_t* planes[kChannelBlock];
+      for (int64_t c = 0; c < nc; ++c) {
+        planes[c] = in + (box.batch >= 0 ? box.batch * s_b + (c0 + c) * s_c : 0);
+      }
+      scalar_t* o = out + (k * channels + c0) * bins;
+      int32_t* a = arg + (k * channels + c0) * bins;
       for (int64_t ph = 0; ph < pooled_height; ++ph) {
         for (int64_t pw = 0; pw < pooled_width; ++pw) {
           const int64_t j = ph * pooled_width + pw;
           int64_t h0, h1, w0, w1;
           if (!roi_pool_bin(box, ph, pw, height, width, h0, h1, w0, w1)) {
-            o[j] = scalar_t(0);
-            a[j] = -1;
+            for (int64_t c = 0; c < nc; ++c) {
+              o[c * bins + j] = scalar_t(0);
+              a[c * bins + j] = -1;
+            }
             continue;
           }
-          int64_t best_idx;
-          const acc_t best =
-              geometry::roi_pool_max<acc_t>(plane, s_h, s_w, width, h0, h1, w0, w1, best_idx);
-          o[j] = static_cast<scalar_t>(best);
-          a[j] = static_cast<int32_t>(best_idx);
+          for (int64_t c = 0; c < nc; ++c) {
+            int64_t best_idx;
+            const acc_t best =
+                window_max<acc_t>(planes[c], s_h, s_w, width, h0, h1, w0, w1, best_idx);
+            o[c * bins + j] = static_cast<scalar_t>(best);
+            a[c * bins + j] = static_cast<int32_t>(best_idx);
+          }
         }
       }
     }
@@ -138,13 +195,27 @@ void roi_pool_backward_typed(
     for (int64_t k = 0; k < k_total; ++k) by_image[fill[roi_batch[k]]++] = k;
   }
 
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, plane_size));
-  at::parallel_for(0, batch * channels, grain, [&](int64_t p0, int64_t p1) {
-    std::vector<acc_t> acc(plane_size);
-    for (int64_t p = p0; p < p1; ++p) {
+  // A few chunks of equal work per thread; the chunking never changes the order in which a
+  // plane receives its additions.
+  const int64_t planes = batch * channels;
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>(planes, int64_t{at::get_num_threads()} * 4));
+  const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
+  constexpr bool kDirect = std::is_same<acc_t, scalar_t>::value;
+
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    std::vector<acc_t> buffer(kDirect ? 0 : plane_size);
+    for (int64_t p = bounds[chunk_begin]; p < bounds[chunk_end]; ++p) {
       const int64_t b = p / channels, c = p % channels;
       if (first[b] == first[b + 1]) continue;  // no RoI on this image: stays zero
-      std::fill(acc.begin(), acc.end(), acc_t(0));
+      scalar_t* dst = gi + p * plane_size;
+      acc_t* acc;
+      if constexpr (kDirect) {
+        acc = dst;  // grad_input starts at zero
+      } else {
+        std::fill(buffer.begin(), buffer.end(), acc_t(0));
+        acc = buffer.data();
+      }
       for (int64_t q = first[b]; q < first[b + 1]; ++q) {
         const int64_t k = by_image[q];
         const int32_t* a = arg + (k * channels + c) * bins;
@@ -156,8 +227,9 @@ void roi_pool_backward_typed(
           }
         }
       }
-      scalar_t* dst = gi + p * plane_size;
-      for (int64_t j = 0; j < plane_size; ++j) dst[j] = static_cast<scalar_t>(acc[j]);
+      if constexpr (!kDirect) {
+        for (int64_t j = 0; j < plane_size; ++j) dst[j] = static_cast<scalar_t>(acc[j]);
+      }
     }
   });
 }
