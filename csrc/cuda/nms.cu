@@ -425,29 +425,39 @@ at::Tensor nms_cuda_impl(
   const bool block_sort = !batched && n <= kMaxBlockSort && scores.scalar_type() == boxes.scalar_type() &&
                           boxes.scalar_type() != at::kDouble;
 
-  at::Tensor order;     // rank -> original index
+  at::Tensor order;     // rank -> original index (torch's sort)
   at::Tensor rank;      // position -> rank (undefined: the same)
   at::Tensor cls_sorted;
-  at::Tensor valid = at::empty({n}, boxes.options().dtype(at::kBool));
   const int64_t tiles = (n + kTile - 1) / kTile;
-  at::Tensor mask = at::empty({mask_words(n)}, long_opts);
   const int64_t summary_size = summary_words(n);
-  at::Tensor summary = at::empty({summary_size}, long_opts);
-  auto* mask_ptr = reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>());
-  auto* summary_ptr = reinterpret_cast<unsigned long long*>(summary.data_ptr<int64_t>());
+  const int64_t acc_size = boxes.scalar_type() == at::kDouble ? 8 : 4;
+  // One scratch allocation: mask, row summaries, `kept` and `decided` words (one per tile
+  // each), ranked order (one-block sort), ranked boxes and the valid flags.
+  const int64_t off_summary = mask_words(n);
+  const int64_t off_flags = off_summary + summary_size;
+  const int64_t off_order = off_flags + 2 * tiles;
+  const int64_t off_boxes = off_order + (block_sort ? n : 0);
+  const int64_t off_valid = off_boxes + cuda::ceil_div(4 * n * acc_size, 8);
+  const int64_t scratch_size = off_valid + cuda::ceil_div(n, 8);
+  at::Tensor scratch = at::empty({scratch_size}, long_opts);
+  int64_t* base = scratch.data_ptr<int64_t>();
+  auto* mask_ptr = reinterpret_cast<uint64_t*>(base);
+  auto* summary_ptr = reinterpret_cast<unsigned long long*>(base + off_summary);
+  auto* kept = reinterpret_cast<unsigned long long*>(base + off_flags);
+  auto* decided = reinterpret_cast<unsigned long long*>(base + off_flags + tiles);
+  bool* valid_mut = reinterpret_cast<bool*>(base + off_valid);
+  const int64_t* order_ptr = base + off_order;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, boxes.scalar_type(), "detops.nms", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    at::Tensor sorted_boxes = at::empty({n, 4}, boxes.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    auto* sorted_boxes = reinterpret_cast<acc_t*>(base + off_boxes);
     if (block_sort) {
-      order = at::empty({n}, long_opts);
       launch_block_sort<scalar_t>(
-          n, scores, boxes, order.data_ptr<int64_t>(), sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>(),
-          summary_ptr, summary_size, stream);
-    }
-    if (!block_sort) {
+          n, scores, boxes, base + off_order, sorted_boxes, valid_mut, summary_ptr, summary_size, stream);
+    } else {
       auto sorted_scores = scores.sort(/*stable=*/true, 0, /*descending=*/true);
       order = std::get<1>(sorted_scores);
+      order_ptr = order.const_data_ptr<int64_t>();
       const at::Tensor nan_by_rank = std::get<0>(sorted_scores).isnan();
       at::Tensor pos_orig = order;  // position -> original index
       if (batched) {
@@ -460,40 +470,32 @@ at::Tensor nms_cuda_impl(
       nms_prepare_kernel<scalar_t, acc_t><<<cuda::grid_for(std::max(n, summary_size), kPrepareThreads), kPrepareThreads, 0, stream>>>(
           n, boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1),
           pos_orig.const_data_ptr<int64_t>(), rank.defined() ? rank.const_data_ptr<int64_t>() : nullptr,
-          nan_by_rank.const_data_ptr<bool>(), sorted_boxes.data_ptr<acc_t>(), valid.data_ptr<bool>(),
-          summary_ptr, summary_size);
+          nan_by_rank.const_data_ptr<bool>(), sorted_boxes, valid_mut, summary_ptr, summary_size);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     const acc_t thr = geometry::iou_threshold_as<acc_t>(iou_threshold);
     const int64_t tile_pairs = tiles * (tiles + 1) / 2;
     if (batched) {
       nms_mask_kernel<acc_t, true><<<static_cast<unsigned>(tile_pairs), kTile, 0, stream>>>(
-          n, sorted_boxes.const_data_ptr<acc_t>(), cls_sorted.const_data_ptr<int64_t>(), thr, mask_ptr,
-          summary_ptr);
+          n, sorted_boxes, cls_sorted.const_data_ptr<int64_t>(), thr, mask_ptr, summary_ptr);
     } else {
       nms_mask_kernel<acc_t, false><<<static_cast<unsigned>(tile_pairs), kTile, 0, stream>>>(
-          n, sorted_boxes.const_data_ptr<acc_t>(), nullptr, thr, mask_ptr, summary_ptr);
+          n, sorted_boxes, nullptr, thr, mask_ptr, summary_ptr);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 
-  // One allocation: `kept` and `decided` words (one per tile each), then (plain NMS) the
-  // output and its count.
-  const int64_t extra = batched ? 0 : n + 1;
-  at::Tensor work = at::empty({2 * tiles + extra}, long_opts);
-  int64_t* work_ptr = work.data_ptr<int64_t>();
-  auto* kept = reinterpret_cast<unsigned long long*>(work_ptr);
-  auto* decided = reinterpret_cast<unsigned long long*>(work_ptr + tiles);
-  int64_t* out = batched ? nullptr : work_ptr + 2 * tiles;
+  // Plain NMS: the output and its count; batched NMS: a flag per rank.
+  at::Tensor result = at::empty({batched ? 0 : n + 1}, long_opts);
+  int64_t* out = batched ? nullptr : result.data_ptr<int64_t>();
   int64_t* count = batched ? nullptr : out + n;
   at::Tensor kept_by_rank;
   if (batched) kept_by_rank = at::empty({n}, boxes.options().dtype(at::kBool));
   bool* kept_by_rank_ptr = batched ? kept_by_rank.data_ptr<bool>() : nullptr;
-  const int64_t* order_ptr = order.const_data_ptr<int64_t>();
   const int64_t* rank_ptr = rank.defined() ? rank.const_data_ptr<int64_t>() : nullptr;
   const uint64_t* mask_cptr = mask_ptr;
   const unsigned long long* summary_cptr = summary_ptr;
-  const bool* valid_ptr = valid.const_data_ptr<bool>();
+  const bool* valid_ptr = valid_mut;
 
   const int per_sm = batched ? dataflow_blocks_per_sm<true>() : dataflow_blocks_per_sm<false>();
   const int64_t wanted = cuda::ceil_div(n, kFixThreads);
@@ -509,12 +511,10 @@ at::Tensor nms_cuda_impl(
     return order.masked_select(kept_by_rank);
   }
   // The one host sync: the number of kept boxes sizes the result.
-  at::Tensor host_count = at::empty({1}, long_opts.device(at::kCPU).pinned_memory(true));
-  C10_CUDA_CHECK(cudaMemcpyAsync(
-      host_count.data_ptr<int64_t>(), count, sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
+  int64_t kept_count = 0;
+  C10_CUDA_CHECK(cudaMemcpyAsync(&kept_count, count, sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const int64_t kept_count = host_count.data_ptr<int64_t>()[0];
-  return work.narrow(0, 2 * tiles, kept_count);
+  return result.narrow(0, 0, kept_count);
 }
 
 at::Tensor nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold) {
