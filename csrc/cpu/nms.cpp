@@ -14,6 +14,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -103,6 +105,174 @@ void greedy_window(const RankedBoxes<T>& b, int64_t s, int64_t e, T thr, uint8_t
   }
 }
 
+// A box takes part in suppressions (for a threshold >= 0) only if it has a positive width
+// and height and a finite area. IoU > t >= 0 needs a positive intersection, which a box with
+// x2 <= x1 or y2 <= y1 (or a NaN coordinate) never has; with an infinite or NaN area every
+// IoU is 0 or NaN. Such boxes are kept whenever their score is not NaN.
+template <typename T>
+bool takes_part(const RankedBoxes<T>& b, int64_t p) {
+  return b.x2[p] > b.x1[p] && b.y2[p] > b.y1[p] && std::isfinite(b.area[p]);
+}
+
+// One axis of the grid: anchors (x1 or y1) in [lo, lo + n / inv) map to cells 0..n-1, values
+// outside clamp to the first or last cell. The map is monotone in v (every step is a rounded,
+// monotone operation), which is all the query needs.
+struct GridAxis {
+  double lo = 0, inv = 0;
+  int64_t n = 1;
+  int64_t cell(double v) const {
+    const double c = std::floor((v - lo) * inv);
+    return c <= 0 ? 0 : (c >= static_cast<double>(n - 1) ? n - 1 : static_cast<int64_t>(c));
+  }
+};
+
+// Kept boxes in structure-of-arrays form.
+template <typename T>
+struct BoxSlab {
+  std::vector<T> x1, y1, x2, y2, area;
+  explicit BoxSlab(int64_t n = 0) : x1(n), y1(n), x2(n), y2(n), area(n) {}
+  void set(int64_t k, T a, T b, T c, T d, T e) {
+    x1[k] = a;
+    y1[k] = b;
+    x2[k] = c;
+    y2[k] = d;
+    area[k] = e;
+  }
+  void push(T a, T b, T c, T d, T e) {
+    x1.push_back(a);
+    y1.push_back(b);
+    x2.push_back(c);
+    y2.push_back(d);
+    area.push_back(e);
+  }
+  // True when one of the boxes k0..k1-1 suppresses the box (ax1, ay1, ax2, ay2, aa). The cheap
+  // strict-overlap test comes first: without a positive intersection IoU > thr >= 0 fails.
+  bool any_suppresses(int64_t k0, int64_t k1, T ax1, T ay1, T ax2, T ay2, T aa, T thr) const {
+    for (int64_t k = k0; k < k1; ++k) {
+      if (x1[k] < ax2 && ax1 < x2[k] && y1[k] < ay2 && ay1 < y2[k] &&
+          iou_above(x1[k], y1[k], x2[k], y2[k], area[k], ax1, ay1, ax2, ay2, aa, thr)) {
+        return true;
+      }
+    }
+    return false;
+  }
+};
+
+// Segments with at least this many boxes use the grid pass.
+constexpr int64_t kGridMinBoxes = 1024;
+// Grid cell side as a fraction of the reach (the largest width / height a box in the grid has).
+constexpr double kCellPerReach = 0.5;
+
+// Greedy pass that asks, for every box in rank order, whether a box kept before it suppresses
+// it. Kept boxes are indexed in a uniform 2-D grid by the cell of their (x1, y1) corner. A box
+// is stored in the grid only if its width and height are at most the reach (rx, ry); wider
+// or taller kept boxes go to a short list that every later box checks. A kept box B can
+// overlap box A only if B.x1 < A.x2 and B.x1 > A.x1 - rx (and the same in y), so A checks the
+// cells between those anchors; the cell map is monotone, so no such B is missed. Requires
+// thr >= 0.
+template <typename T>
+void greedy_grid(const RankedBoxes<T>& b, int64_t s, int64_t e, T thr, uint8_t* keep) {
+  const int64_t len = e - s;
+  // Reach: the largest box size, unless a few outliers make it much larger than typical boxes.
+  double minx = std::numeric_limits<double>::infinity(), maxx = -minx, miny = minx, maxy = -minx;
+  double sumw = 0, sumh = 0, maxw = 0, maxh = 0;
+  int64_t m = 0;
+  for (int64_t p = s; p < e; ++p) {
+    if (!b.valid[p] || !takes_part(b, p)) continue;
+    const double x1 = b.x1[p], y1 = b.y1[p];
+    const double w = static_cast<double>(b.x2[p]) - x1, h = static_cast<double>(b.y2[p]) - y1;
+    minx = std::min(minx, x1);
+    maxx = std::max(maxx, x1);
+    miny = std::min(miny, y1);
+    maxy = std::max(maxy, y1);
+    sumw += w;
+    sumh += h;
+    maxw = std::max(maxw, w);
+    maxh = std::max(maxh, h);
+    ++m;
+  }
+  if (m == 0) {
+    for (int64_t p = s; p < e; ++p) keep[p] = b.valid[p];
+    return;
+  }
+  const double rx = std::min(maxw, 4.0 * sumw / static_cast<double>(m));
+  const double ry = std::min(maxh, 4.0 * sumh / static_cast<double>(m));
+  // The reach used by queries, a little larger than rx / ry: a stored box has
+  // fl(x2 - x1) <= rx, so its exact width is at most rx * (1 + 2^-53).
+  // The reach used by queries, a little larger than rx / ry: a stored box has
+  // fl(x2 - x1) <= rx, so its exact width is at most rx * (1 + 2^-53).
+  const double qx = rx * (1 + 1e-9), qy = ry * (1 + 1e-9);
+  auto make_axis = [](double lo, double hi, double cell) {
+    GridAxis a;
+    const double extent = hi - lo;
+    double n = cell > 0 ? std::ceil(extent / cell) : 1.0;
+    if (!(n >= 1)) n = 1;  // also NaN
+    a.n = n > 1024 ? 1024 : static_cast<int64_t>(n);
+    a.lo = lo;
+    a.inv = extent > 0 ? static_cast<double>(a.n) / extent : 0.0;
+    return a;
+  };
+  double cellx = rx * kCellPerReach, celly = ry * kCellPerReach;
+  GridAxis gx = make_axis(minx, maxx, cellx), gy = make_axis(miny, maxy, celly);
+  while (gx.n * gy.n > 4 * m + 64) {  // keep the cell count in proportion to the box count
+    cellx *= 2;
+    celly *= 2;
+    gx = make_axis(minx, maxx, cellx);
+    gy = make_axis(miny, maxy, celly);
+  }
+  const int64_t ncell = gx.n * gy.n;
+
+  // Cell of every box that would be stored in the grid if kept (-1: the long-box list or
+  // none); cell capacities are those counts.
+  std::vector<int32_t> cell_of(len, -1);
+  std::vector<int64_t> start(ncell + 1, 0);
+  for (int64_t p = s; p < e; ++p) {
+    if (!b.valid[p] || !takes_part(b, p)) continue;
+    const double x1 = b.x1[p], y1 = b.y1[p];
+    if (static_cast<double>(b.x2[p]) - x1 <= rx && static_cast<double>(b.y2[p]) - y1 <= ry) {
+      const int64_t c = gy.cell(y1) * gx.n + gx.cell(x1);
+      cell_of[p - s] = static_cast<int32_t>(c);
+      ++start[c + 1];
+    }
+  }
+  for (int64_t c = 0; c < ncell; ++c) start[c + 1] += start[c];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);  // next free slot of each cell
+  BoxSlab<T> grid(start[ncell]);
+  BoxSlab<T> wide;  // kept boxes too wide or tall for the grid
+
+  for (int64_t p = s; p < e; ++p) {
+    if (!b.valid[p]) continue;
+    if (!takes_part(b, p)) {
+      keep[p] = 1;
+      continue;
+    }
+    const T x1 = b.x1[p], y1 = b.y1[p], x2 = b.x2[p], y2 = b.y2[p], area = b.area[p];
+    const double dx1 = x1, dy1 = y1;
+    const int64_t cx0 = gx.cell(std::nextafter(dx1 - qx, -std::numeric_limits<double>::infinity()));
+    const int64_t cx1 = gx.cell(static_cast<double>(x2));
+    const int64_t cy0 = gy.cell(std::nextafter(dy1 - qy, -std::numeric_limits<double>::infinity()));
+    const int64_t cy1 = gy.cell(static_cast<double>(y2));
+    bool suppressed = wide.any_suppresses(0, static_cast<int64_t>(wide.x1.size()), x1, y1, x2, y2, area, thr);
+    for (int64_t cy = cy0; cy <= cy1 && !suppressed; ++cy) {
+      for (int64_t cx = cx0; cx <= cx1; ++cx) {
+        const int64_t c = cy * gx.n + cx;
+        if (grid.any_suppresses(start[c], fill[c], x1, y1, x2, y2, area, thr)) {
+          suppressed = true;
+          break;
+        }
+      }
+    }
+    if (suppressed) continue;
+    keep[p] = 1;
+    const int32_t c = cell_of[p - s];
+    if (c >= 0) {
+      grid.set(fill[c]++, x1, y1, x2, y2, area);
+    } else {
+      wide.push(x1, y1, x2, y2, area);
+    }
+  }
+}
+
 template <typename box_t>
 at::Tensor nms_cpu_typed(
     const at::Tensor& boxes_in, const at::Tensor& scores_in, const at::Tensor* idxs_in,
@@ -162,7 +332,9 @@ at::Tensor nms_cpu_typed(
   at::parallel_for(0, nseg, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t s = seg_start[g], e = seg_start[g + 1];
-      if (thr >= acc_t(0) && e - s >= kWindowMinBoxes) {
+      if (thr >= acc_t(0) && e - s >= kGridMinBoxes) {
+        greedy_grid(rb, s, e, thr, keep.data());
+      } else if (thr >= acc_t(0) && e - s >= kWindowMinBoxes) {
         greedy_window(rb, s, e, thr, keep.data());
       } else {
         greedy_dense(rb, s, e, thr, keep.data());
