@@ -17,6 +17,21 @@ def _runs(device):
     return dict(runs=30, warmup=5) if device == "cuda" else dict(runs=5, warmup=1, max_seconds=5)
 
 
+def _one_thread(case: str, b, s) -> Row:
+    """The same NMS case with both libraries on one CPU thread (the thread count is restored)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return compare(
+            case, "cpu",
+            lambda: detops.ops.nms(b, s, 0.5),
+            lambda: torchvision.ops.nms(b, s, 0.5),
+            **_runs("cpu"),
+        )
+    finally:
+        torch.set_num_threads(before)
+
+
 def run(devices: List[str], quick: bool = False) -> List[Row]:
     rows: List[Row] = []
     for device in devices:
@@ -43,6 +58,8 @@ def run(devices: List[str], quick: bool = False) -> List[Row]:
                     **_runs(device),
                 )
             )
+            if device == "cpu":
+                rows.append(_one_thread(name + ", IoU 0.5, 1 thread", b, s))
         boxes, scores = clustered_boxes(20000, seed=8)
         labels = torch.randint(0, 80, (20000,), generator=torch.Generator().manual_seed(8))
         b, s, lab = boxes.to(device), scores.to(device), labels.to(device)

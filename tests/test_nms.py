@@ -374,3 +374,79 @@ def test_nms_cuda_scores_of_another_dtype():
     for sdtype in (torch.float16, torch.float64):
         s = scores.to(sdtype)
         assert torch.equal(nms(boxes.cuda(), s.cuda(), 0.5).cpu(), nms(boxes, s, 0.5))
+
+
+def _adversarial_sets(n: int, g: torch.Generator):
+    """Inputs of n boxes that stress the CPU grid pass (segments of 1024+ boxes)."""
+    b, s = random_boxes(n, seed=31)
+    yield "random", b, s
+    yield "clustered", *clustered_boxes(n, seed=32)
+    dup = b.clone()
+    dup[n // 2 :] = dup[: n - n // 2]
+    yield "duplicates", dup, torch.rand(n, generator=g)
+    yield "identical", torch.tensor([[1.0, 2.0, 30.0, 40.0]]).repeat(n, 1), torch.rand(n, generator=g)
+    yield "tied scores", b, torch.randint(0, 3, (n,), generator=g).float()
+    c = torch.rand(n, 2, generator=g) * 50 + 500
+    r = torch.rand(n, 1, generator=g) * 400 + 0.01
+    yield "nested", torch.cat([c - r, c + r], 1), torch.rand(n, generator=g)
+    scale = 10 ** torch.randint(-30, 30, (n, 1), generator=g).float()
+    xy, wh = torch.rand(n, 2, generator=g) * scale, torch.rand(n, 2, generator=g) * scale
+    yield "huge and tiny", torch.cat([xy, xy + wh], 1), torch.rand(n, generator=g)
+    xy, wh = torch.rand(n, 2, generator=g) * 1e-30, torch.rand(n, 2, generator=g) * 1e-30
+    yield "tiny", torch.cat([xy, xy + wh], 1), torch.rand(n, generator=g)
+    far = b.clone()
+    far[::3] += 1e6
+    far[1::3] -= 3e7
+    yield "far apart", far, s
+    wide = b.clone()
+    wide[torch.randperm(n, generator=g)[: n // 20], 2:] += 900  # a few boxes far wider than the rest
+    yield "outliers", wide, s
+    xy = torch.randint(0, 40, (n, 2), generator=g).float()
+    wh = torch.randint(1, 10, (n, 2), generator=g).float()
+    yield "integer grid", torch.cat([xy, xy + wh], 1), torch.rand(n, generator=g)
+    nan, inf = math.nan, math.inf
+    sp = b.clone()
+    pick = torch.randperm(n, generator=g)[: n // 10]
+    specials = torch.tensor(
+        [[nan, 0, 10, 10], [0, 0, inf, 500], [-inf, -inf, inf, inf], [500, 500, 400, 600], [300, 300, 300, 400],
+         [0, 0, 1000, 1000], [100, 100, 900, 900], [250, 0, 260, 1000], [-3e38, 0, 3e38, 10], [0, 0, 3e38, 3e38]]
+    )
+    sp[pick] = specials[torch.arange(len(pick)) % len(specials)]
+    ss = s.clone()
+    ss[pick[::7]], ss[pick[1::7]], ss[pick[2::7]] = nan, inf, -inf
+    yield "nan and inf", sp, ss
+    yield "negative", b * 3 - 2000, s
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [1024, 1300])
+def test_nms_cpu_grid_pass_adversarial(n, threads):
+    # Segments of 1024+ boxes take the CPU grid pass (with blocks of 1024 tested in parallel
+    # when more than one thread is free); it must decide exactly like the dense reference.
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(n + threads)
+        for name, boxes, scores in _adversarial_sets(n, g):
+            for dtype in DTYPES:
+                b, s = boxes.to(dtype), scores.to(dtype)
+                for threshold in (0.0, 1e-7, 0.5, 0.7, 1.0):
+                    assert torch.equal(nms(b, s, threshold), ref.nms(b, s, threshold)), (name, dtype, threshold)
+                idxs = torch.randint(0, 2, (n,), generator=g)
+                assert torch.equal(batched_nms(b, s, idxs, 0.5), ref.batched_nms(b, s, idxs, 0.5)), (name, dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_nms_cpu_grid_pass_matches_torchvision_large(threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for gen, n in ((random_boxes, 12000), (clustered_boxes, 6000)):
+            boxes, scores = gen(n, seed=n)
+            for threshold in (0.3, 0.5, 0.9):
+                got = nms(boxes, scores, threshold)
+                assert torch.equal(got, torchvision.ops.nms(boxes, scores, threshold))
+    finally:
+        torch.set_num_threads(before)

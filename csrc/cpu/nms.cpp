@@ -2,12 +2,16 @@
 //
 // Boxes are ranked by score (stable, descending) and, for batched NMS, grouped by category, so
 // every category is a contiguous segment of the ranking; segments are independent and run in
-// parallel. Within a segment the greedy pass visits boxes by rank; each kept box suppresses the
-// lower-ranked boxes it overlaps by more than the threshold. Instead of testing it against all
-// later boxes, it is tested only against the boxes whose x-extent can meet its own, found by
-// binary search in x1 order (a pair with no intersection never has IoU > t >= 0), and
-// suppressed boxes are never tested again. A negative threshold makes every pair a candidate,
-// so it takes the dense pairwise path.
+// parallel. Within a segment the greedy pass visits boxes by rank. A pair with no positive
+// intersection never has IoU > t >= 0, so only nearby boxes are ever tested:
+//   * segments of 1024+ boxes (greedy_grid): each box asks whether a box kept before it
+//     suppresses it, looking only at kept boxes stored in the cells of a uniform 2-D grid that
+//     it can reach (one grid per segment, cells about half the largest typical box size);
+//   * shorter segments (greedy_window): each kept box suppresses the lower-ranked boxes in its
+//     x-window, found by binary search in x1 order; suppressed boxes are never tested again;
+//   * segments under 48 boxes, or a negative threshold (every pair is a candidate): the dense
+//     pairwise pass.
+// Every decision is the same iou_above test (csrc/common/box_iou.h), so all passes agree.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
