@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #include "macros.h"
@@ -84,6 +85,31 @@ DETOPS_HOST_DEVICE_INLINE bool iou_above(
   const T inter = mul_rn(w, h);
   const T uni = add_rn(area_a, area_b) - inter;
   return inter / uni > threshold;
+}
+
+// One row of a 64-box NMS mask tile: bit i is set when box (x1, y1, x2, y2) overlaps column
+// box i, for i in [begin, end), by more than the threshold. Column boxes come as arrays (a
+// shared-memory tile on CUDA); with `col_cls`, only columns of category `cls` count. With a
+// threshold >= 0 only intersecting pairs can be above it, so that cheap test comes first and
+// the division is left to the pairs that do intersect.
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE uint64_t overlap_bits(
+    T x1, T y1, T x2, T y2, T area, const T* cx1, const T* cy1, const T* cx2, const T* cy2,
+    const T* carea, int begin, int end, T threshold, const int64_t* col_cls = nullptr,
+    int64_t cls = 0) {
+  const bool need_overlap = threshold >= T(0);
+  uint64_t bits = 0;
+  for (int i = begin; i < end; ++i) {
+    if (col_cls != nullptr && col_cls[i] != cls) continue;
+    if (need_overlap && !(min_of(x2, cx2[i]) > max_of(x1, cx1[i]) &&
+                          min_of(y2, cy2[i]) > max_of(y1, cy1[i]))) {
+      continue;
+    }
+    if (iou_above(x1, y1, x2, y2, area, cx1[i], cy1[i], cx2[i], cy2[i], carea[i], threshold)) {
+      bits |= uint64_t{1} << i;
+    }
+  }
+  return bits;
 }
 
 // The threshold in T such that, for every value v of type T, `v > t` holds exactly when

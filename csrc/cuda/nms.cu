@@ -45,7 +45,6 @@ constexpr int64_t kMaxBlockSort = 4096;
 constexpr int kFixThreads = 512;
 constexpr int kBatchWords = 8;
 
-using geometry::iou_above;
 
 // Packed lower-triangular layouts. Row j (tile r = j / 64) has r + 1 mask words (tiles 0..r)
 // and r / 64 + 1 summary words (one bit per mask word).
@@ -178,21 +177,9 @@ __global__ void nms_mask_kernel(
   const T x1 = b[0], y1 = b[1], x2 = b[2], y2 = b[3];
   const T area = geometry::box_area(x1, y1, x2, y2);
   const int64_t c = kClasses ? cls[row] : 0;
-  // With a threshold >= 0 only intersecting pairs can be above it: test that first and
-  // leave the division to the few pairs that do intersect.
-  const bool need_overlap = threshold >= T(0);
-  const int end = (row_block == col_block) ? t : col_size;
-  uint64_t bits = 0;
-  for (int i = 0; i < end; ++i) {
-    if (kClasses && scls[i] != c) continue;
-    if (need_overlap && !(geometry::min_of(x2, sx2[i]) > geometry::max_of(x1, sx1[i]) &&
-                          geometry::min_of(y2, sy2[i]) > geometry::max_of(y1, sy1[i]))) {
-      continue;
-    }
-    if (iou_above(x1, y1, x2, y2, area, sx1[i], sy1[i], sx2[i], sy2[i], sarea[i], threshold)) {
-      bits |= 1ULL << i;
-    }
-  }
+  const uint64_t bits = geometry::overlap_bits(
+      x1, y1, x2, y2, area, sx1, sy1, sx2, sy2, sarea, 0, (row_block == col_block) ? t : col_size,
+      threshold, kClasses ? scls : nullptr, c);
   if (bits) {
     mask[mask_row_offset(row) + col_block] = bits;
     atomicOr(summary + summary_row_offset(row) + col_block / 64, 1ULL << (col_block % 64));

@@ -128,19 +128,9 @@ __global__ void __launch_bounds__(kTile) nms_padded_mask_kernel(
   const T* r = img + row * 4;
   const T x1 = r[0], y1 = r[1], x2 = r[2], y2 = r[3];
   const T area = geometry::box_area(x1, y1, x2, y2);
-  // With a threshold >= 0 only intersecting pairs can be above it: test that first and
-  // leave the division to the pairs that do intersect.
-  const bool need_overlap = threshold >= T(0);
-  uint64_t bits = 0;
-  for (int i = (row_block == col_block) ? t + 1 : 0; i < col_size; ++i) {
-    if (need_overlap && !(geometry::min_of(x2, sx2[i]) > geometry::max_of(x1, sx1[i]) &&
-                          geometry::min_of(y2, sy2[i]) > geometry::max_of(y1, sy1[i]))) {
-      continue;
-    }
-    if (geometry::iou_above(x1, y1, x2, y2, area, sx1[i], sy1[i], sx2[i], sy2[i], sarea[i], threshold)) {
-      bits |= 1ULL << i;
-    }
-  }
+  const uint64_t bits = geometry::overlap_bits(
+      x1, y1, x2, y2, area, sx1, sy1, sx2, sy2, sarea, (row_block == col_block) ? t + 1 : 0, col_size,
+      threshold);
   mask[(b * n + row) * col_blocks + col_block] = bits;
 }
 

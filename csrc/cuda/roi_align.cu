@@ -36,6 +36,7 @@
 #include "../common/roi_align_checks.h"
 #include "../common/roi_align_geometry.h"
 #include "cuda_helpers.h"
+#include "roi_align_rois.cuh"
 
 namespace detops {
 namespace ops {
@@ -57,14 +58,7 @@ constexpr int64_t kMaxContributions = int64_t{1} << 40;
 using roi_align::BilinearSample;
 using roi_align::RoIBins;
 
-template <typename T>
-__device__ __forceinline__ RoIBins<T> bins_of(
-    const T* roi, T scale, int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
-    bool aligned) {
-  return roi_align::roi_bins<T>(
-      roi[1], roi[2], roi[3], roi[4], scale, pooled_height, pooled_width, sampling_ratio,
-      aligned);
-}
+using roi_align_cuda::bins_of;
 
 // One output element: the mean of the bin's samples, read from one H x W plane.
 template <typename scalar_t, typename acc_t>
@@ -417,30 +411,6 @@ __global__ void roi_align_backward_atomic_kernel(
   }
 }
 
-// Deterministic backward, step 0 (adaptive grid only): contributions of each RoI, 4 per
-// sample; 0 for a RoI with an invalid batch index.
-template <typename acc_t>
-__global__ void roi_contribution_count_kernel(
-    int64_t num_rois, const acc_t* __restrict__ rois, int64_t batch, int64_t pooled_height,
-    int64_t pooled_width, acc_t scale, int64_t sampling_ratio, bool aligned,
-    int64_t* __restrict__ counts) {
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < num_rois;
-       k += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    const acc_t* roi = rois + k * 5;
-    if (roi_align::roi_batch_index(roi[0], batch) < 0) {
-      counts[k] = 0;
-      continue;
-    }
-    const RoIBins<acc_t> r =
-        bins_of(roi, scale, pooled_height, pooled_width, sampling_ratio, aligned);
-    // grid_h, grid_w <= 2^16: the product is exact; the cap keeps the prefix sum in range.
-    const int64_t per_bin = r.grid_h * r.grid_w * 4;
-    const int64_t bins = pooled_height * pooled_width;
-    counts[k] = per_bin > 0 && bins > kMaxContributions / per_bin ? kMaxContributions
-                                                                  : per_bin * bins;
-  }
-}
-
 // Deterministic backward, step 1: one thread per (RoI, bin) writes the bin's contributions at
 // first[k] + bin * grid_h * grid_w * 4 (first == nullptr: at k * per_roi).
 template <typename key_t, typename acc_t>
@@ -649,10 +619,10 @@ void backward_deterministic(
         ": the deterministic backward with an adaptive grid takes at most 2^22 RoIs, got ",
         num_rois);
     at::Tensor counts = at::empty({num_rois}, long_opts);
-    roi_contribution_count_kernel<acc_t>
+    roi_align_cuda::contribution_count_kernel<acc_t>
         <<<cuda::grid_for(num_rois, kThreads), kThreads, 0, stream>>>(
             num_rois, roi_ptr, batch, pooled_height, pooled_width, scale, sampling_ratio,
-            aligned, counts.data_ptr<int64_t>());
+            aligned, kMaxContributions, counts.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const at::Tensor ends = counts.cumsum(0);
     first = ends - counts;

@@ -31,6 +31,7 @@
 #include "../common/checks.h"
 #include "../common/roi_align_geometry.h"
 #include "cuda_helpers.h"
+#include "roi_align_rois.cuh"
 
 namespace detops {
 namespace ops {
@@ -56,14 +57,7 @@ struct alignas(8) DetEntry {
   acc_t w;
 };
 
-template <typename T>
-__device__ __forceinline__ RoIBins<T> det_bins_of(
-    const T* roi, T scale, int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
-    bool aligned) {
-  return roi_align::roi_bins<T>(
-      roi[1], roi[2], roi[3], roi[4], scale, pooled_height, pooled_width, sampling_ratio,
-      aligned);
-}
+using roi_align_cuda::bins_of;
 
 // The image of each RoI, or `batch` for a RoI whose batch index is not valid.
 template <typename acc_t>
@@ -86,28 +80,6 @@ __global__ void det_rank_kernel(
   }
 }
 
-// Adaptive grid only: contributions of each RoI, 4 per sample; 0 for an invalid batch index.
-template <typename acc_t>
-__global__ void det_count_kernel(
-    int64_t num_rois, const acc_t* __restrict__ rois, int64_t batch, int64_t pooled_height,
-    int64_t pooled_width, acc_t scale, int64_t sampling_ratio, bool aligned,
-    int64_t* __restrict__ counts) {
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < num_rois;
-       k += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    const acc_t* roi = rois + k * 5;
-    if (roi_align::roi_batch_index(roi[0], batch) < 0) {
-      counts[k] = 0;
-      continue;
-    }
-    const RoIBins<acc_t> r =
-        det_bins_of(roi, scale, pooled_height, pooled_width, sampling_ratio, aligned);
-    // grid_h, grid_w <= 2^16: the product is exact; the cap keeps the prefix sum in range.
-    const int64_t per_bin = r.grid_h * r.grid_w * 4;
-    const int64_t bins = pooled_height * pooled_width;
-    counts[k] = per_bin > 0 && bins > kMaxEntries / per_bin ? kMaxEntries : per_bin * bins;
-  }
-}
-
 // One thread per (RoI, bin): the bin's contributions at first[k] + bin * grid_h * grid_w * 4
 // (first == nullptr: at k * per_roi, padded with sentinel keys for samples that read nothing).
 template <typename key_t, typename acc_t>
@@ -127,7 +99,7 @@ __global__ void det_contribution_kernel(
     const acc_t* roi = rois + k * 5;
     const int64_t b = roi_align::roi_batch_index(roi[0], batch);
     const RoIBins<acc_t> r =
-        det_bins_of(roi, scale, pooled_height, pooled_width, sampling_ratio, aligned);
+        bins_of(roi, scale, pooled_height, pooled_width, sampling_ratio, aligned);
     const int64_t per_bin = r.grid_h * r.grid_w * 4;
     int64_t j = (first != nullptr ? first[k] : k * per_roi) + bin * per_bin;
     if (b < 0) {
@@ -329,9 +301,10 @@ void det_backward(
     total = num_rois * per_roi;
   } else {
     at::Tensor counts = at::empty({num_rois}, long_opts);
-    det_count_kernel<acc_t><<<cuda::grid_for(num_rois, kRankThreads), kRankThreads, 0, stream>>>(
-        num_rois, roi_ptr, batch, pooled_height, pooled_width, scale, sampling_ratio, aligned,
-        counts.data_ptr<int64_t>());
+    roi_align_cuda::contribution_count_kernel<acc_t>
+        <<<cuda::grid_for(num_rois, kRankThreads), kRankThreads, 0, stream>>>(
+            num_rois, roi_ptr, batch, pooled_height, pooled_width, scale, sampling_ratio, aligned,
+            kMaxEntries, counts.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const at::Tensor ends = counts.cumsum(0);
     first = ends - counts;
