@@ -35,6 +35,7 @@ import torchvision
 from torch import Tensor, nn
 
 from benchmarks.timing import HEADER, Row, format_row, median_ms
+from detops.testing import nudge_detector
 
 HEIGHT, WIDTH = 800, 1216
 QUICK_HEIGHT, QUICK_WIDTH = 224, 320
@@ -64,23 +65,6 @@ def _freeze_like_pretrained(model: nn.Module) -> None:
         p.requires_grad_(name.startswith(("layer2", "layer3", "layer4")))
 
 
-def _nudge(model: nn.Module) -> None:
-    """Heads that give confident detections of several classes and masks that are not flat
-    (the same nudge as tests/test_modeling_parity.py)."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        rpn = model.rpn.head
-        rpn.cls_logits.weight.normal_(0, 0.05, generator=g)
-        rpn.bbox_pred.weight.normal_(0, 0.02, generator=g)
-        pred = model.roi_heads.box_predictor
-        pred.cls_score.weight.normal_(0, 0.005, generator=g)
-        pred.cls_score.bias[1:8] = torch.linspace(2.0, 3.5, 7)
-        pred.bbox_pred.weight.normal_(0, 0.01, generator=g)
-        mp = model.roi_heads.mask_predictor
-        mp.mask_fcn_logits.weight.mul_(20)
-        mp.mask_fcn_logits.bias.normal_(0, 1, generator=g)
-
-
 def build_models(device: str, height: int, width: int, seed: int = 0) -> Tuple[nn.Module, nn.Module]:
     """(torchvision model, detops model) with the same weights and settings, on `device`.
     The transforms' min/max size are chosen so that a height x width image is not resized."""
@@ -92,7 +76,7 @@ def build_models(device: str, height: int, width: int, seed: int = 0) -> Tuple[n
         weights=None, weights_backbone=None, min_size=short, max_size=max(1333, long)
     )
     _freeze_like_pretrained(tv)
-    _nudge(tv)
+    nudge_detector(tv)
     tv = tv.to(device)
     dt = from_torchvision(tv)
     return tv, dt

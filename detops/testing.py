@@ -43,3 +43,23 @@ def random_rois(
     wh = torch.rand(k, 2, generator=g) * torch.tensor([img_w, img_h]) * (0.5 - 1 / 32) + torch.tensor([img_w, img_h]) / 32
     xy = torch.rand(k, 2, generator=g) * (torch.tensor([img_w, img_h]) - wh)
     return torch.cat([idx, xy, xy + wh], 1).to(dtype)
+
+
+def nudge_detector(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a randomly initialised torchvision Faster / Mask R-CNN give confident detections of
+    several classes and masks that are not flat (in place; returns the model). The parity tests
+    and the detector benchmark compare detops with torchvision on such a model."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        rpn = model.rpn.head
+        rpn.cls_logits.weight.normal_(0, 0.05, generator=g)
+        rpn.bbox_pred.weight.normal_(0, 0.02, generator=g)
+        pred = model.roi_heads.box_predictor
+        pred.cls_score.weight.normal_(0, 0.005, generator=g)
+        pred.cls_score.bias[1:8] = torch.linspace(2.0, 3.5, 7)
+        pred.bbox_pred.weight.normal_(0, 0.01, generator=g)
+        mp = getattr(model.roi_heads, "mask_predictor", None)
+        if mp is not None:
+            mp.mask_fcn_logits.weight.mul_(20)
+            mp.mask_fcn_logits.bias.normal_(0, 1, generator=g)
+    return model

@@ -10,6 +10,7 @@ import torch
 import torchvision
 
 from detops.modeling import from_torchvision, from_torchvision_state_dict, torchvision_key_to_detops
+from detops.testing import nudge_detector
 
 from tests.conftest import DEVICES
 
@@ -17,20 +18,8 @@ MIN_SIZE, MAX_SIZE = 256, 352
 
 
 def _nudge(model):
-    """Make a random torchvision detector produce detections of several classes."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        rpn = model.rpn.head
-        rpn.cls_logits.weight.normal_(0, 0.05, generator=g)
-        rpn.bbox_pred.weight.normal_(0, 0.02, generator=g)
-        pred = model.roi_heads.box_predictor
-        pred.cls_score.weight.normal_(0, 0.005, generator=g)
-        pred.cls_score.bias[1:8] = torch.linspace(2.0, 3.5, 7)
-        pred.bbox_pred.weight.normal_(0, 0.01, generator=g)
-        mp = getattr(model.roi_heads, "mask_predictor", None)
-        if mp is not None:
-            mp.mask_fcn_logits.weight.mul_(20)
-            mp.mask_fcn_logits.bias.normal_(0, 1, generator=g)
+    """A random torchvision detector with detections of several classes."""
+    nudge_detector(model)
     model.roi_heads.detections_per_img = 30  # fewer masks to paste: CPU time
     return model
 
