@@ -56,5 +56,14 @@ at::Tensor roi_pool_backward(
 // Whether this build of detops holds CUDA kernels.
 bool with_cuda();
 
+// Which CUDA kernels roi_align and roi_pool use for NCHW input. kAuto (the default) stages bands
+// of each feature plane in shared memory when the RoIs are dense enough that a plane would be
+// read several times over, and gathers from global memory otherwise; kBand stages whenever the
+// shapes allow it; kGather never stages. A process-wide setting for benchmarks and tests that
+// compare the kernels; the kernels agree to rounding (roi_pool exactly).
+enum class RoIKernel : int { kAuto = 0, kBand = 1, kGather = 2 };
+RoIKernel roi_kernel();
+RoIKernel set_roi_kernel(RoIKernel choice);  // returns the previous choice
+
 }  // namespace ops
 }  // namespace detops

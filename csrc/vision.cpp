@@ -4,6 +4,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <limits>
 #include <string>
 
@@ -152,6 +153,18 @@ bool with_cuda() {
 #endif
 }
 
+namespace {
+std::atomic<int> roi_kernel_choice{static_cast<int>(RoIKernel::kAuto)};
+}  // namespace
+
+RoIKernel roi_kernel() {
+  return static_cast<RoIKernel>(roi_kernel_choice.load(std::memory_order_relaxed));
+}
+
+RoIKernel set_roi_kernel(RoIKernel choice) {
+  return static_cast<RoIKernel>(roi_kernel_choice.exchange(static_cast<int>(choice)));
+}
+
 }  // namespace ops
 }  // namespace detops
 
@@ -194,6 +207,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("spatial_scale"), py::arg("pooled_height"), py::arg("pooled_width"),
       py::arg("batch_size"), py::arg("channels"), py::arg("height"), py::arg("width"));
   m.def("with_cuda", &detops::ops::with_cuda, "whether CUDA kernels were compiled in");
+  m.def(
+      "_set_roi_kernel",
+      [](const std::string& name) {
+        using detops::ops::RoIKernel;
+        const char* names[] = {"auto", "band", "gather"};
+        int choice = -1;
+        for (int i = 0; i < 3; ++i) {
+          if (name == names[i]) choice = i;
+        }
+        TORCH_CHECK(choice >= 0, "detops._set_roi_kernel: kernel must be 'auto', 'band' or 'gather', got '",
+                    name, "'");
+        const RoIKernel previous = detops::ops::set_roi_kernel(static_cast<RoIKernel>(choice));
+        return std::string(names[static_cast<int>(previous)]);
+      },
+      "choose the CUDA roi_align / roi_pool kernels for NCHW input ('auto', 'band', 'gather'); "
+      "returns the previous choice",
+      py::arg("kernel"));
   m.def("torch_version", []() { return std::string(DETOPS_TORCH_VERSION); },
         "the torch version this extension was built against");
 }

@@ -1,7 +1,8 @@
 """Helpers shared by the Python op wrappers."""
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple, Union
+import contextlib
+from typing import Iterator, List, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -37,3 +38,18 @@ def boxes_to_rois(boxes: Union[Tensor, List[Tensor]], op: str) -> Tensor:
         dim=0,
     )
     return torch.cat([idx, cat], dim=1)
+
+
+@contextlib.contextmanager
+def roi_kernel(name: str) -> Iterator[None]:
+    """Within the block, roi_align and roi_pool on CUDA NCHW input use the chosen kernels:
+    'auto' (the default: shared-memory plane bands for dense RoIs, global gathers otherwise),
+    'band' (bands whenever the shapes allow) or 'gather' (never bands). Process-wide; for
+    benchmarks and tests that compare the kernels."""
+    from detops import _C
+
+    previous = _C._set_roi_kernel(name)
+    try:
+        yield
+    finally:
+        _C._set_roi_kernel(previous)
