@@ -607,3 +607,153 @@ def test_cuda_deterministic_backward_images_without_rois_and_invalid_indices():
     xc = x.detach().cpu().requires_grad_()
     roi_align(xc, rois.cpu(), 7, 0.25, 2, True).sum().backward()
     torch.testing.assert_close(x.grad.cpu(), xc.grad, atol=1e-5, rtol=1e-5)
+
+
+# --- CUDA plane bands ------------------------------------------------------------------------
+
+
+def test_roi_kernel_choice_is_checked():
+    from detops.ops._utils import roi_kernel
+
+    with pytest.raises(RuntimeError, match="kernel must be 'auto', 'band' or 'gather', got 'planes'"):
+        with roi_kernel("planes"):
+            pass
+    with roi_kernel("band"):
+        with roi_kernel("gather"):
+            pass
+        assert detops._C._set_roi_kernel("band") == "band"
+    assert detops._C._set_roi_kernel("auto") == "auto"
+
+
+def _dense_rois(batch, k, height, width, min_side, max_side, scale, seed, spill=0.0):
+    """[k, 5] RoIs in image coordinates whose sides span min_side..max_side feature pixels,
+    placed so that up to `spill` of a side lies outside the map."""
+    g = torch.Generator().manual_seed(seed)
+    side = min_side + torch.rand(k, 2, generator=g, dtype=torch.float64) * (max_side - min_side)
+    lo = -spill * side
+    span = torch.tensor([width, height], dtype=torch.float64) - (1 - 2 * spill) * side
+    xy = lo + torch.rand(k, 2, generator=g, dtype=torch.float64) * span.clamp(min=0)
+    idx = torch.randint(0, batch, (k, 1), generator=g).double()
+    return torch.cat([idx, xy, xy + side], 1) / torch.tensor([1, scale, scale, scale, scale], dtype=torch.float64)
+
+
+# (batch, channels, height, width, rois, min side, max side, spill, pooled size, sampling ratio,
+#  aligned). float32 planes 600 wide stage 39-row windows (4 bands of 30 rows for H = 100), and
+# RoIs 90 rows tall have bins taller than the 9-row overlap; 1200 RoIs on two 64 x 64 maps give
+# one block thousands of bin rows.
+BAND_CASES = {
+    "one band": (2, 8, 40, 56, 300, 2, 30, 0.0, (7, 7), 2, True),
+    "bands, tall bins": (1, 5, 100, 600, 400, 2, 90, 0.1, (7, 7), 2, True),
+    "odd sizes": (3, 4, 97, 301, 500, 1, 97, 0.2, (14, 14), 1, False),
+    "spilling RoIs": (2, 3, 120, 400, 200, 4, 200, 0.5, (3, 5), 4, False),
+    "many RoIs": (2, 6, 64, 64, 1200, 1, 20, 0.0, (7, 7), 3, True),
+}
+
+
+def _band_vs_gather(x, rois, pooled, scale, sr, aligned, grad):
+    from detops.ops._utils import roi_kernel
+
+    results = {}
+    for kernel in ("band", "gather"):
+        xg = x.clone().requires_grad_()
+        with roi_kernel(kernel):
+            out = roi_align(xg, rois, pooled, scale, sr, aligned)
+            out.backward(grad)
+        results[kernel] = (out.detach(), xg.grad)
+    return results
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", sorted(BAND_CASES))
+def test_cuda_band_kernels_agree_with_gather_and_cpu(case):
+    batch, c, h, w, k, lo, hi, spill, pooled, sr, aligned = BAND_CASES[case]
+    scale = 0.25
+    g = torch.Generator().manual_seed(len(case))
+    x = torch.randn(batch, c, h, w, generator=g)
+    rois = _dense_rois(batch, k, h, w, lo, hi, scale, seed=k, spill=spill).float()
+    grad = torch.randn(k, c, *pooled, generator=g)
+    grad[::3] = 0  # zero gradients add nothing
+    res = _band_vs_gather(x.cuda(), rois.cuda(), pooled, scale, sr, aligned, grad.cuda())
+    (out_b, gi_b), (out_g, gi_g) = res["band"], res["gather"]
+    torch.testing.assert_close(out_b, out_g, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gi_b, gi_g, rtol=1e-5, atol=1e-5)
+    xc = x.clone().requires_grad_()
+    out_c = roi_align(xc, rois, pooled, scale, sr, aligned)
+    out_c.backward(grad)
+    # the CPU kernel adds the same terms in another order
+    # (coordinates of a few hundred pixels carry float32 rounding of ~3e-5 pixels into the
+    # bilinear weights)
+    torch.testing.assert_close(out_b.cpu(), out_c, rtol=1e-5, atol=2e-4)
+    torch.testing.assert_close(gi_b.cpu(), xc.grad, rtol=1e-5, atol=2e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["bands, tall bins", "many RoIs"])
+def test_cuda_band_kernels_dtypes(dtype, case):
+    batch, c, h, w, k, lo, hi, spill, pooled, sr, aligned = BAND_CASES[case]
+    scale = 0.5
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(batch, c, h, w, generator=g, dtype=torch.float64).to(dtype)
+    rois = _dense_rois(batch, k, h, w, lo, hi, scale, seed=3, spill=spill).to(dtype)
+    grad = torch.randn(k, c, *pooled, generator=g, dtype=torch.float64).to(dtype)
+    res = _band_vs_gather(x.cuda(), rois.cuda(), pooled, scale, sr, aligned, grad.cuda())
+    (out_b, gi_b), (out_g, gi_g) = res["band"], res["gather"]
+    if dtype == torch.float64:
+        torch.testing.assert_close(out_b, out_g, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gi_b, gi_g, rtol=1e-12, atol=1e-12)
+    else:
+        # the same float32 sums rounded once: outputs agree to one rounding step
+        torch.testing.assert_close(out_b.float(), out_g.float(), rtol=LOW_TOL[dtype], atol=LOW_TOL[dtype])
+        gs = max(1.0, gi_g.float().abs().max().item())
+        torch.testing.assert_close(gi_b.float(), gi_g.float(), rtol=0, atol=2 * LOW_TOL[dtype] * gs)
+
+
+@pytest.mark.cuda
+def test_cuda_band_kernels_run_when_chosen():
+    # Which kernels run: under 'auto' the band backward for dense RoIs and the band forward
+    # only when the maps outgrow L2 as well; every band kernel under 'band'; none under
+    # 'gather', for sparse RoIs under 'auto', or for the deterministic backward.
+    from torch.profiler import ProfilerActivity, profile
+
+    from detops.ops._utils import roi_kernel
+
+    small = torch.randn(2, 16, 64, 80, device="cuda", requires_grad=True)
+    large = torch.randn(2, 256, 100, 304, device="cuda", requires_grad=True)  # 62 MB
+    dense_small = _dense_rois(2, 400, 64, 80, 2, 40, 0.25, seed=1).float().cuda()
+    dense_large = _dense_rois(2, 1024, 100, 304, 2, 60, 0.25, seed=1).float().cuda()
+
+    def kernels(kernel, x, rois):
+        with roi_kernel(kernel), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            roi_align(x, rois, 7, 0.25, 2, True).sum().backward()
+            torch.cuda.synchronize()
+        return " ".join(e.name for e in prof.events())
+
+    names = kernels("auto", large, dense_large)
+    assert "band_forward" in names and "band_backward" in names
+    names = kernels("auto", small, dense_small)
+    assert "band_forward" not in names and "band_backward" in names
+    names = kernels("band", small, dense_small[:4])
+    assert "band_forward" in names and "band_backward" in names
+    assert "band_" not in kernels("gather", large, dense_large)
+    assert "band_" not in kernels("auto", small, dense_small[:4])
+    with deterministic_algorithms(True):
+        assert "band_backward" not in kernels("band", small, dense_small)  # the deterministic gather
+
+
+@pytest.mark.cuda
+def test_cuda_band_kernels_images_without_rois_and_empty_bins():
+    from detops.ops._utils import roi_kernel
+
+    x = torch.randn(3, 4, 50, 70, device="cuda", requires_grad=True)
+    rois = _dense_rois(3, 200, 50, 70, 1, 30, 1.0, seed=5, spill=0.3).float().cuda()
+    rois[:, 0] = torch.where(rois[:, 0] == 1, 0.0, rois[:, 0])  # image 1 has no RoIs
+    rois[:10, 1:] = torch.tensor([500.0, 500.0, 520.0, 530.0], device="cuda")  # wholly outside
+    with roi_kernel("band"):
+        out = roi_align(x, rois, (7, 7), 1.0, 2, True)
+        out.sum().backward()
+    assert out[:10].abs().max() == 0
+    assert x.grad[1].abs().max() == 0
+    with roi_kernel("gather"):
+        ref = roi_align(x.detach(), rois, (7, 7), 1.0, 2, True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

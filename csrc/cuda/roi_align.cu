@@ -47,6 +47,16 @@ bool roi_align_backward_deterministic_staged(
     const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& grad_input);
 
+// roi_align_band.cu: dense RoIs on NCHW maps through shared-memory plane bands; false for
+// inputs the band kernels do not take (or roi_kernel() rules out). rois in the accumulation
+// type; the backward's grad_input is the accumulation-type buffer, written whole.
+bool roi_align_forward_band(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& output);
+bool roi_align_backward_band(
+    const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& grad_input);
+
 namespace {
 
 constexpr const char* kForwardOp = "detops.roi_align";
@@ -129,13 +139,7 @@ __global__ void roi_align_forward_kernel(
   }
 }
 
-// One sample row (or column) of a RoI: plane offsets of the two pixels it reads and their
-// weights; lo < 0 when the sample lies outside the map (it then contributes nothing).
-template <typename T>
-struct AxisTap {
-  int32_t lo, hi;
-  T l, h;
-};
+using roi_align_cuda::AxisTap;
 
 constexpr int kTapCapacity = 512;  // sample rows (and columns) a tiled block holds
 constexpr int kTiledThreads = 256;
@@ -147,7 +151,6 @@ template <typename acc_t>
 __device__ __forceinline__ void build_taps(
     const RoIBins<acc_t>& r, int64_t ny, int64_t nx, int64_t height, int64_t width,
     AxisTap<acc_t>* ytaps, AxisTap<acc_t>* xtaps) {
-  const bool has_map = height > 0 && width > 0;
   for (int64_t i = threadIdx.x; i < ny + nx; i += blockDim.x) {
     const bool is_y = i < ny;
     const int64_t j = is_y ? i : i - ny;
@@ -155,16 +158,12 @@ __device__ __forceinline__ void build_taps(
     const int64_t p = j / grid, q = j - p * grid;
     const acc_t v = is_y ? roi_align::sample_coord(r.start_h, r.bin_h, p, q, grid)
                          : roi_align::sample_coord(r.start_w, r.bin_w, p, q, grid);
-    const int64_t size = is_y ? height : width;
-    AxisTap<acc_t> tap{-1, -1, acc_t(0), acc_t(0)};
-    // the band test of bilinear_sample, one axis at a time (NaN fails)
-    if (has_map && v >= acc_t(-1) && v <= static_cast<acc_t>(size)) {
-      int64_t lo, hi;
-      acc_t l;
-      roi_align::axis_weights(v, size, lo, hi, l);
-      const int64_t stride = is_y ? width : 1;
-      tap = AxisTap<acc_t>{
-          static_cast<int32_t>(lo * stride), static_cast<int32_t>(hi * stride), l, acc_t(1) - l};
+    // an empty map reads nothing: both taps of every sample must be valid
+    const int64_t size = height > 0 && width > 0 ? (is_y ? height : width) : 0;
+    AxisTap<acc_t> tap = roi_align_cuda::axis_tap(v, size);
+    if (is_y && tap.lo >= 0) {  // y taps hold plane offsets (row * W)
+      tap.lo *= static_cast<int32_t>(width);
+      tap.hi *= static_cast<int32_t>(width);
     }
     (is_y ? ytaps[j] : xtaps[j]) = tap;
   }
@@ -524,6 +523,10 @@ at::Tensor roi_align_forward_cuda(
   const int64_t batch = input.size(0);
   assert_batch_indices(kForwardOp, rois, batch);
   const at::Tensor r = rois.to(acc_dtype_of(rois.scalar_type())).contiguous();
+  if (roi_align_forward_band(
+          input, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, output)) {
+    return output;
+  }
   const int64_t total = output.numel();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t channels = input.size(1), bins = pooled_height * pooled_width;
@@ -705,8 +708,13 @@ at::Tensor roi_align_backward_cuda(
     return grad_input;
   }
 
-  at::Tensor acc = at::zeros(
+  at::Tensor acc = at::empty(
       {batch_size, channels, height, width}, grad.options().dtype(acc_dtype_of(dtype)));
+  if (roi_align_backward_band(
+          grad, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, acc)) {
+    return acc.to(dtype);
+  }
+  acc.zero_();
   const at::Tensor g = grad.contiguous();
   const int64_t total = g.numel();
   if (total > 0) {

@@ -1,0 +1,553 @@
+// RoIAlign on CUDA through plane bands (plane_band.cuh), for dense RoIs on NCHW maps with a
+// fixed sampling grid (sampling_ratio 1..kMaxBandGrid).
+//
+// The gather kernels of roi_align.cu read each sample's pixels from global memory: a 32-byte
+// sector per pixel pair, fetched again for every RoI that samples near it, so dense RoIs (an
+// FPN level of a detector) read each plane many times over. Here a block per (image, band of
+// rows, group of channels) stages the band of one channel plane at a time in shared memory and
+// computes, from it, every bin row its band owns, for all RoIs of the image:
+//   1. band_taps_kernel computes each RoI's sample rows and columns once (AxisTap: the two
+//      pixel rows / columns a sample reads and their weights, the rules of bilinear_sample) and
+//      the owner of each bin row (k, ph): the band holding its first pixel row, keyed
+//      image * bands + band (a RoI with an invalid batch index gets key 0 and only invalid
+//      taps, so its bins are 0 and it receives no gradient);
+//   2. each block lists the bin rows with its key (in rounds of at most kListCapacity), then
+//      for each channel of its group stages the band and computes the listed bins.
+// Forward: a bin is the same sum, term for term, as in the tiled gather kernel; pixel rows past
+// the staged window (a bin row taller than the overlap) are read from global memory.
+// Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
+// shared memory with shared-memory atomics, then writes the band out. Rows that two bands
+// stage (the first `overlap` rows of every band but the first) are zeroed beforehand and
+// added with global atomics; every other row is written once with a plain store, so grad_input
+// needs no zeroing. Pixels past a block's window are left to band_tail_backward_kernel, which
+// runs after and adds them with global atomics.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/Atomic.cuh>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/roi_align_geometry.h"
+#include "../detops.h"
+#include "cuda_helpers.h"
+#include "plane_band.cuh"
+#include "roi_align_rois.cuh"
+
+namespace detops {
+namespace ops {
+
+namespace {
+
+using plane_band::BandPlan;
+using plane_band::BandRows;
+using roi_align::RoIBins;
+using roi_align_cuda::axis_tap;
+using roi_align_cuda::bins_of;
+
+constexpr int kBandThreads = 512;
+constexpr int kMaxBandGrid = 4;  // sampling ratios the band kernels take
+// Shared memory for a band: two blocks fit on an SM.
+constexpr int64_t kBandBudget = 100 * 1024;
+constexpr int kSortThreads = 1024;
+
+// A sample row or column as the band kernels read it: one 16-byte load (two for double).
+// lo < 0: the sample reads nothing.
+template <typename T>
+struct alignas(16) BandTap {
+  int32_t lo_, hi_;
+  T l, h_;
+  __device__ __forceinline__ bool valid() const { return lo_ >= 0; }
+  __device__ __forceinline__ int32_t lo() const { return lo_; }
+  __device__ __forceinline__ int32_t hi() const { return hi_; }
+  __device__ __forceinline__ T h() const { return h_; }
+};
+
+// Taps of RoI k: PH * G row taps, then PW * G column taps. keys[k * PH + ph]: the owner of bin
+// row (k, ph); tall[k * PH + ph]: 1 when the bin row reads pixel rows past its owner's window.
+template <typename acc_t>
+__global__ void band_taps_kernel(
+    int64_t num_rois, const acc_t* __restrict__ rois, int64_t batch, int height, int width,
+    int pooled_height, int pooled_width, acc_t scale, int grid, bool aligned, BandPlan plan,
+    BandTap<acc_t>* __restrict__ taps, int32_t* __restrict__ keys, uint8_t* __restrict__ tall) {
+  const int per = pooled_height + pooled_width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_rois * per;
+       i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+    const int64_t k = i / per;
+    const int j = static_cast<int>(i - k * per);
+    const acc_t* roi = rois + k * 5;
+    const int64_t b = roi_align::roi_batch_index(roi[0], batch);
+    const RoIBins<acc_t> r =
+        bins_of(roi, scale, pooled_height, pooled_width, int64_t{grid}, aligned);
+    const bool is_y = j < pooled_height;
+    const int p = is_y ? j : j - pooled_height;
+    BandTap<acc_t>* out = taps + k * per * grid + (is_y ? p : pooled_height + p) * grid;
+    int lo_min = INT_MAX, hi_max = -1;
+    for (int q = 0; q < grid; ++q) {
+      BandTap<acc_t> t{-1, -1, acc_t(0), acc_t(0)};
+      if (b >= 0) {
+        const acc_t v = is_y
+            ? roi_align::sample_coord(r.start_h, r.bin_h, int64_t{p}, int64_t{q}, r.grid_h)
+            : roi_align::sample_coord(r.start_w, r.bin_w, int64_t{p}, int64_t{q}, r.grid_w);
+        const auto a = axis_tap(v, is_y ? height : width);
+        t = BandTap<acc_t>{a.lo, a.hi, a.l, a.h};
+      }
+      out[q] = t;
+      if (t.valid()) {
+        lo_min = min(lo_min, t.lo());
+        hi_max = max(hi_max, t.hi());
+      }
+    }
+    if (is_y) {
+      const int band = lo_min == INT_MAX ? 0 : lo_min / plan.core;
+      keys[k * pooled_height + p] = b < 0 ? 0 : static_cast<int32_t>(b * plan.bands + band);
+      const int last = min(height, band * plan.core + plan.core + plan.overlap);
+      tall[k * pooled_height + p] = hi_max >= last ? 1 : 0;
+    }
+  }
+}
+
+// One block groups the bin rows by owner (a counting sort; the order within an owner is
+// irrelevant, every bin row is computed on its own): owner `key`'s rows are
+// rows[offsets[key] .. offsets[key + 1]). counts: num_keys + 1 ints of scratch.
+__global__ void __launch_bounds__(kSortThreads) band_rows_kernel(
+    const int32_t* __restrict__ keys, int32_t total, int32_t num_keys, int32_t* __restrict__ counts,
+    int32_t* __restrict__ offsets, int32_t* __restrict__ rows) {
+  __shared__ int32_t carry;
+  for (int32_t i = threadIdx.x; i <= num_keys; i += blockDim.x) counts[i] = 0;
+  __syncthreads();
+  for (int32_t i = threadIdx.x; i < total; i += blockDim.x) atomicAdd(&counts[keys[i]], 1);
+  __syncthreads();
+  // exclusive scan of counts into offsets, a block-wide pass per blockDim keys
+  __shared__ int32_t part[kSortThreads];
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int32_t base = 0; base <= num_keys; base += blockDim.x) {
+    const int32_t i = base + threadIdx.x;
+    const int32_t v = i < num_keys ? counts[i] : 0;
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (int off = 1; off < static_cast<int>(blockDim.x); off *= 2) {
+      const int32_t add = threadIdx.x >= static_cast<unsigned>(off) ? part[threadIdx.x - off] : 0;
+      __syncthreads();
+      part[threadIdx.x] += add;
+      __syncthreads();
+    }
+    if (i <= num_keys) offsets[i] = carry + part[threadIdx.x] - v;
+    __syncthreads();
+    if (threadIdx.x == blockDim.x - 1) carry += part[threadIdx.x];
+    __syncthreads();
+  }
+  for (int32_t i = threadIdx.x; i < num_keys; i += blockDim.x) counts[i] = offsets[i];
+  __syncthreads();
+  for (int32_t i = threadIdx.x; i < total; i += blockDim.x) rows[atomicAdd(&counts[keys[i]], 1)] = i;
+}
+
+struct BandShape {
+  int64_t channels;
+  int height, width, pooled_height, pooled_width;
+  int channels_per_block;
+};
+
+// Bin row `row` = k * PH + ph of a block's list: its RoI, ph, and the RoI's taps.
+template <typename acc_t>
+struct BinRow {
+  int64_t k;
+  int ph;
+  const BandTap<acc_t>* taps;
+};
+
+template <typename acc_t, int G>
+__device__ __forceinline__ BinRow<acc_t> bin_row(
+    int32_t row, const BandShape& sh, const BandTap<acc_t>* __restrict__ taps) {
+  const int32_t k = row / sh.pooled_height;
+  return BinRow<acc_t>{k, static_cast<int>(row - k * sh.pooled_height),
+                       taps + static_cast<int64_t>(k) * (sh.pooled_height + sh.pooled_width) * G};
+}
+
+template <typename scalar_t, typename acc_t, int G>
+__global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
+    const scalar_t* __restrict__ input, const BandTap<acc_t>* __restrict__ taps,
+    const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
+    acc_t count, BandPlan plan, scalar_t* __restrict__ output) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  scalar_t* band = reinterpret_cast<scalar_t*>(smem);
+  const int bi = static_cast<int>(blockIdx.x % plan.bands);
+  const int64_t b = blockIdx.x / plan.bands;
+  const int32_t first_row = offsets[blockIdx.x];
+  const int n = offsets[blockIdx.x + 1] - first_row;
+  if (n == 0) return;
+  const BandRows window = plane_band::band_rows(plan, bi, sh.height);
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
+  const int nc = static_cast<int>(min(sh.channels - c0, static_cast<int64_t>(sh.channels_per_block)));
+  const int pw_n = sh.pooled_width;
+  const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
+  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
+  for (int ci = 0; ci < nc; ++ci) {
+    const int64_t c = c0 + ci;
+    const scalar_t* plane = input + (b * sh.channels + c) * plane_size;
+    if (ci > 0) __syncthreads();  // the previous channel's band is no longer read
+    plane_band::stage_rows(plane, sh.width, plan, window, band);
+    __syncthreads();
+    for (int i = threadIdx.x; i < n * pw_n; i += blockDim.x) {
+      const int e = i / pw_n, pw = i - e * pw_n;
+      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + e], sh, taps);
+      BandTap<acc_t> ty[G], tx[G];
+#pragma unroll
+      for (int q = 0; q < G; ++q) {
+        ty[q] = br.taps[br.ph * G + q];
+        tx[q] = br.taps[(sh.pooled_height + pw) * G + q];
+      }
+      acc_t sum = 0;
+#pragma unroll
+      for (int iy = 0; iy < G; ++iy) {
+        if (!ty[iy].valid()) continue;
+        const acc_t yl = ty[iy].l, yh = ty[iy].h();
+        const int32_t ylo = ty[iy].lo(), yhi = ty[iy].hi();
+        // the same expression, term for term, as the tiled gather kernel
+        auto add = [&](const scalar_t* rlo, const scalar_t* rhi) {
+#pragma unroll
+          for (int ix = 0; ix < G; ++ix) {
+            if (!tx[ix].valid()) continue;
+            const acc_t xl = tx[ix].l, xh = tx[ix].h();
+            const int32_t xlo = tx[ix].lo(), xhi = tx[ix].hi();
+            sum += (yh * xh) * static_cast<acc_t>(rlo[xlo]) + (yh * xl) * static_cast<acc_t>(rlo[xhi]) +
+                (yl * xh) * static_cast<acc_t>(rhi[xlo]) + (yl * xl) * static_cast<acc_t>(rhi[xhi]);
+          }
+        };
+        if (yhi < window.last) {  // ylo >= window.first: the band owns the bin row
+          add(band + (ylo - window.first) * plan.stride, band + (yhi - window.first) * plan.stride);
+        } else {
+          add(plane + static_cast<int64_t>(ylo) * sh.width, plane + static_cast<int64_t>(yhi) * sh.width);
+        }
+      }
+      output[(br.k * sh.channels + c) * bins + br.ph * pw_n + pw] = static_cast<scalar_t>(sum / count);
+    }
+  }
+}
+
+// Whether staged row r of band `bi` is shared with a neighbouring band (zeroed beforehand and
+// added with atomics) rather than written by this band alone.
+__device__ __forceinline__ bool shared_row(const BandPlan& plan, int bi, int r) {
+  const int first = bi * plan.core;
+  return (bi > 0 && r < first + plan.overlap) || r >= first + plan.core;
+}
+
+template <typename scalar_t, typename acc_t, int G>
+__global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
+    const scalar_t* __restrict__ grad, const BandTap<acc_t>* __restrict__ taps,
+    const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
+    acc_t count, BandPlan plan, acc_t* __restrict__ grad_input) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  acc_t* band = reinterpret_cast<acc_t*>(smem);
+  const int bi = static_cast<int>(blockIdx.x % plan.bands);
+  const int64_t b = blockIdx.x / plan.bands;
+  const int32_t first_row = offsets[blockIdx.x];
+  const int n = offsets[blockIdx.x + 1] - first_row;
+  const BandRows window = plane_band::band_rows(plan, bi, sh.height);
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
+  const int nc = static_cast<int>(min(sh.channels - c0, static_cast<int64_t>(sh.channels_per_block)));
+  const int pw_n = sh.pooled_width;
+  const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
+  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
+  const int staged = (window.last - window.first) * plan.stride;
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int ci = 0; ci < nc; ++ci) {
+    const int64_t c = c0 + ci;
+    if (ci > 0) __syncthreads();  // the previous channel's band is written out
+    for (int i = threadIdx.x; i < staged; i += blockDim.x) band[i] = acc_t(0);
+    __syncthreads();
+    for (int i = threadIdx.x; i < n * pw_n; i += blockDim.x) {
+      const int e = i / pw_n, pw = i - e * pw_n;
+      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + e], sh, taps);
+      const acc_t go = static_cast<acc_t>(grad[(br.k * sh.channels + c) * bins + br.ph * pw_n + pw]);
+      if (go == acc_t(0)) continue;
+      const acc_t gv = go / count;
+      BandTap<acc_t> ty[G], tx[G];
+#pragma unroll
+      for (int q = 0; q < G; ++q) {
+        ty[q] = br.taps[br.ph * G + q];
+        tx[q] = br.taps[(sh.pooled_height + pw) * G + q];
+      }
+#pragma unroll
+      for (int iy = 0; iy < G; ++iy) {
+        if (!ty[iy].valid()) continue;
+        const acc_t yl = ty[iy].l, yh = ty[iy].h();
+        const int32_t ylo = ty[iy].lo(), yhi = ty[iy].hi();
+        // pixel rows past the window are added by band_tail_backward_kernel
+        const bool lo_in = ylo < window.last, hi_in = yhi < window.last;
+        acc_t* rlo = band + (ylo - window.first) * plan.stride;
+        acc_t* rhi = band + (yhi - window.first) * plan.stride;
+#pragma unroll
+        for (int ix = 0; ix < G; ++ix) {
+          if (!tx[ix].valid()) continue;
+          const acc_t xl = tx[ix].l, xh = tx[ix].h();
+          const int32_t xlo = tx[ix].lo(), xhi = tx[ix].hi();
+          if (lo_in) {
+            atomicAdd(rlo + xlo, (yh * xh) * gv);
+            atomicAdd(rlo + xhi, (yh * xl) * gv);
+          }
+          if (hi_in) {
+            atomicAdd(rhi + xlo, (yl * xh) * gv);
+            atomicAdd(rhi + xhi, (yl * xl) * gv);
+          }
+        }
+      }
+    }
+    __syncthreads();
+    acc_t* out = grad_input + (b * sh.channels + c) * plane_size;
+    for (int r = window.first + static_cast<int>(threadIdx.x / 32); r < window.last; r += warps) {
+      const acc_t* src = band + (r - window.first) * plan.stride;
+      acc_t* dst = out + static_cast<int64_t>(r) * sh.width;
+      if (shared_row(plan, bi, r)) {
+        for (int x = lane; x < sh.width; x += 32) {
+          if (src[x] != acc_t(0)) gpuAtomicAdd(dst + x, src[x]);
+        }
+      } else {
+        for (int x = lane; x < sh.width; x += 32) dst[x] = src[x];
+      }
+    }
+  }
+}
+
+// After the band kernel: the pixels of tall bin rows that lie past their owner's window,
+// with global atomics. One thread per (bin row, channel); most return at once.
+template <typename scalar_t, typename acc_t>
+__global__ void band_tail_backward_kernel(
+    const scalar_t* __restrict__ grad, const BandTap<acc_t>* __restrict__ taps,
+    const int32_t* __restrict__ keys, const uint8_t* __restrict__ tall, int64_t num_rois,
+    BandShape sh, int g, acc_t count, BandPlan plan, acc_t* __restrict__ grad_input) {
+  const int ph_n = sh.pooled_height, pw_n = sh.pooled_width;
+  const int64_t total = num_rois * ph_n * sh.channels;
+  const int64_t bins = static_cast<int64_t>(ph_n) * pw_n;
+  const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+    const int64_t j = i / sh.channels, c = i - j * sh.channels;
+    if (!tall[j]) continue;
+    const int64_t k = j / ph_n;
+    const int ph = static_cast<int>(j - k * ph_n);
+    const int32_t key = keys[j];
+    const int64_t b = key / plan.bands;
+    const BandRows window = plane_band::band_rows(plan, key % plan.bands, sh.height);
+    const BandTap<acc_t>* t = taps + k * (ph_n + pw_n) * g;
+    acc_t* plane = grad_input + (b * sh.channels + c) * plane_size;
+    for (int pw = 0; pw < pw_n; ++pw) {
+      const acc_t go = static_cast<acc_t>(grad[(k * sh.channels + c) * bins + ph * pw_n + pw]);
+      if (go == acc_t(0)) continue;
+      const acc_t gv = go / count;
+      for (int iy = 0; iy < g; ++iy) {
+        const BandTap<acc_t> ty = t[ph * g + iy];
+        if (!ty.valid()) continue;
+        const bool lo_out = ty.lo() >= window.last, hi_out = ty.hi() >= window.last;
+        if (!lo_out && !hi_out) continue;
+        const acc_t yl = ty.l, yh = ty.h();
+        acc_t* rlo = plane + static_cast<int64_t>(ty.lo()) * sh.width;
+        acc_t* rhi = plane + static_cast<int64_t>(ty.hi()) * sh.width;
+        for (int ix = 0; ix < g; ++ix) {
+          const BandTap<acc_t> tx = t[(ph_n + pw) * g + ix];
+          if (!tx.valid()) continue;
+          const acc_t xl = tx.l, xh = tx.h();
+          if (lo_out) {
+            gpuAtomicAdd(rlo + tx.lo(), (yh * xh) * gv);
+            gpuAtomicAdd(rlo + tx.hi(), (yh * xl) * gv);
+          }
+          if (hi_out) {
+            gpuAtomicAdd(rhi + tx.lo(), (yl * xh) * gv);
+            gpuAtomicAdd(rhi + tx.hi(), (yl * xl) * gv);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The launch of one band pass: plan, taps, and the bin rows grouped by owner.
+struct BandSetup {
+  BandPlan plan;
+  BandShape shape;
+  at::Tensor taps, index;  // index: keys, rows, offsets, counts (int32)
+  int64_t rows_total = 0, num_keys = 0;
+  uint8_t* tall = nullptr;
+  dim3 grid;
+  size_t smem = 0;
+
+  template <typename acc_t>
+  const BandTap<acc_t>* tap_ptr() const {
+    return reinterpret_cast<const BandTap<acc_t>*>(taps.const_data_ptr<uint8_t>());
+  }
+  const int32_t* keys() const { return index.const_data_ptr<int32_t>(); }
+  const int32_t* rows() const { return keys() + rows_total; }
+  const int32_t* offsets() const { return rows() + rows_total; }
+};
+
+// Whether the band kernels take these shapes and RoIs (on top of roi_kernel()). Under kAuto,
+// measured on an H200 (BENCHMARKS.md): the band backward beats the atomic scatter once the
+// samples read about as many pixels as the maps hold; the band forward beats the tiled gather
+// only when the maps outgrow L2 (the gather's repeated sectors then come from DRAM) and the
+// samples read each pixel several times over.
+bool band_applies(
+    bool forward, int64_t batch, int64_t channels, int64_t height, int64_t width,
+    int64_t num_rois, int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
+    int64_t elem_bytes, bool input_nchw) {
+  const RoIKernel choice = roi_kernel();
+  if (choice == RoIKernel::kGather || !input_nchw) return false;
+  if (sampling_ratio < 1 || sampling_ratio > kMaxBandGrid) return false;
+  if (num_rois <= 0 || channels <= 0 || pooled_height > 64 || pooled_width > 64) return false;
+  if (height >= (int64_t{1} << 30) || width >= (int64_t{1} << 30)) return false;
+  if (num_rois * pooled_height >= (int64_t{1} << 30)) return false;
+  const BandPlan plan = plane_band::plan_bands(height, width, elem_bytes, kBandBudget);
+  if (!plan.ok || batch * plan.bands >= (int64_t{1} << 30)) return false;
+  if (choice == RoIKernel::kBand) return true;
+  // pixels read by all samples of one channel (four per sample), against the pixels it holds
+  const double fetches = static_cast<double>(num_rois) * pooled_height * pooled_width *
+      sampling_ratio * sampling_ratio * 4;
+  const double pixels = static_cast<double>(batch) * height * width;
+  if (!forward) return fetches >= pixels;
+  return fetches >= 4.0 * pixels && pixels * channels * elem_bytes >= 48.0 * (1 << 20);
+}
+
+template <typename acc_t>
+BandSetup setup_bands(
+    const at::Tensor& rois, int64_t batch, int64_t channels, int64_t height, int64_t width,
+    int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned,
+    double spatial_scale, int64_t elem_bytes, cudaStream_t stream) {
+  BandSetup s;
+  s.plan = plane_band::plan_bands(height, width, elem_bytes, kBandBudget);
+  const int64_t num_rois = rois.size(0);
+  const int64_t per = (pooled_height + pooled_width) * sampling_ratio;
+  s.rows_total = num_rois * pooled_height;
+  s.num_keys = batch * s.plan.bands;
+  s.taps = at::empty({num_rois * per * static_cast<int64_t>(sizeof(BandTap<acc_t>)) + s.rows_total},
+                     rois.options().dtype(at::kByte));
+  s.tall = s.taps.data_ptr<uint8_t>() + num_rois * per * static_cast<int64_t>(sizeof(BandTap<acc_t>));
+  s.index = at::empty({2 * s.rows_total + 2 * (s.num_keys + 1)}, rois.options().dtype(at::kInt));
+  int32_t* keys = s.index.data_ptr<int32_t>();
+  int32_t* rows = keys + s.rows_total;
+  int32_t* offsets = rows + s.rows_total;
+  int32_t* counts = offsets + s.num_keys + 1;
+  const int64_t items = num_rois * (pooled_height + pooled_width);
+  band_taps_kernel<acc_t><<<cuda::grid_for(items, 256), 256, 0, stream>>>(
+      num_rois, rois.const_data_ptr<acc_t>(), batch, static_cast<int>(height),
+      static_cast<int>(width), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
+      static_cast<acc_t>(spatial_scale), static_cast<int>(sampling_ratio), aligned, s.plan,
+      reinterpret_cast<BandTap<acc_t>*>(s.taps.data_ptr<uint8_t>()), keys, s.tall);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  band_rows_kernel<<<1, kSortThreads, 0, stream>>>(
+      keys, static_cast<int32_t>(s.rows_total), static_cast<int32_t>(s.num_keys), counts, offsets,
+      rows);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Channel groups: about four blocks per block slot of the GPU, so that a slow block (a band
+  // with many bin rows) does not leave the GPU idle at the end.
+  const int64_t slots = 2 * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const int64_t groups = std::max<int64_t>(
+      1, std::min<int64_t>({channels, cuda::ceil_div(4 * slots, s.num_keys), 65535}));
+  const int64_t per_block = cuda::ceil_div(channels, groups);
+  s.shape = BandShape{channels, static_cast<int>(height), static_cast<int>(width),
+                      static_cast<int>(pooled_height), static_cast<int>(pooled_width),
+                      static_cast<int>(per_block)};
+  s.grid = dim3(static_cast<unsigned>(s.num_keys), static_cast<unsigned>(cuda::ceil_div(channels, per_block)));
+  s.smem = static_cast<size_t>(s.plan.smem_bytes);
+  return s;
+}
+
+// Raises a kernel's dynamic shared-memory limit to the band budget (a host-side attribute of
+// the kernel on the current device; cheap to set again).
+template <typename Kernel>
+void allow_band_smem(Kernel kernel) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBandBudget)));
+}
+
+// Calls f(std::integral_constant<int, G>) for G = grid in 1..kMaxBandGrid.
+template <typename F>
+void with_grid(int64_t grid, F&& f) {
+  switch (grid) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    default: f(std::integral_constant<int, 4>()); break;
+  }
+}
+
+}  // namespace
+
+bool roi_align_forward_band(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& output) {
+  const int64_t batch = input.size(0), channels = input.size(1);
+  const int64_t height = input.size(2), width = input.size(3);
+  if (!band_applies(true, batch, channels, height, width, rois.size(0), pooled_height,
+                    pooled_width, sampling_ratio, input.element_size(), input.is_contiguous())) {
+    return false;
+  }
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_align", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const BandSetup s = setup_bands<acc_t>(
+        rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
+        aligned, spatial_scale, input.element_size(), stream);
+    with_grid(sampling_ratio, [&](auto g) {
+      auto kernel = roi_align_band_forward_kernel<scalar_t, acc_t, decltype(g)::value>;
+      allow_band_smem(kernel);
+      kernel<<<s.grid, kBandThreads, s.smem, stream>>>(
+          input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape,
+          static_cast<acc_t>(sampling_ratio * sampling_ratio), s.plan, output.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return true;
+}
+
+bool roi_align_backward_band(
+    const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& grad_input) {
+  const int64_t batch = grad_input.size(0), channels = grad_input.size(1);
+  const int64_t height = grad_input.size(2), width = grad_input.size(3);
+  if (!grad_input.is_contiguous() ||
+      !band_applies(false, batch, channels, height, width, rois.size(0), pooled_height,
+                    pooled_width, sampling_ratio, grad_input.element_size(), true)) {
+    return false;
+  }
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor g = grad.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "detops._roi_align_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    TORCH_INTERNAL_ASSERT(grad_input.scalar_type() == c10::CppTypeToScalarType<acc_t>::value);
+    const BandSetup s = setup_bands<acc_t>(
+        rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
+        aligned, spatial_scale, sizeof(acc_t), stream);
+    // Rows two bands stage start at zero; every other row is stored by its band.
+    const size_t row_bytes = static_cast<size_t>(width) * sizeof(acc_t);
+    for (int bi = 1; bi < s.plan.bands; ++bi) {
+      const int64_t first = static_cast<int64_t>(bi) * s.plan.core;
+      const int64_t rows = std::min<int64_t>(s.plan.overlap, height - first);
+      if (rows <= 0) continue;
+      C10_CUDA_CHECK(cudaMemset2DAsync(
+          grad_input.data_ptr<acc_t>() + first * width, static_cast<size_t>(height) * row_bytes, 0,
+          static_cast<size_t>(rows) * row_bytes, static_cast<size_t>(batch * channels), stream));
+    }
+    const acc_t count = static_cast<acc_t>(sampling_ratio * sampling_ratio);
+    with_grid(sampling_ratio, [&](auto gc) {
+      auto kernel = roi_align_band_backward_kernel<scalar_t, acc_t, decltype(gc)::value>;
+      allow_band_smem(kernel);
+      kernel<<<s.grid, kBandThreads, s.smem, stream>>>(
+          g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, count,
+          s.plan, grad_input.data_ptr<acc_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    const int64_t tail_items = rois.size(0) * pooled_height * channels;
+    band_tail_backward_kernel<scalar_t, acc_t><<<cuda::grid_for(tail_items, 256), 256, 0, stream>>>(
+        g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.keys(), s.tall, rois.size(0), s.shape,
+        static_cast<int>(sampling_ratio), count, s.plan, grad_input.data_ptr<acc_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return true;
+}
+
+}  // namespace ops
+}  // namespace detops
