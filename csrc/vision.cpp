@@ -155,6 +155,7 @@ bool with_cuda() {
 
 namespace {
 std::atomic<int> roi_kernel_choice{static_cast<int>(RoIKernel::kAuto)};
+std::atomic<int> cpu_vector_choice{static_cast<int>(CpuVector::kAuto)};
 }  // namespace
 
 RoIKernel roi_kernel() {
@@ -163,6 +164,14 @@ RoIKernel roi_kernel() {
 
 RoIKernel set_roi_kernel(RoIKernel choice) {
   return static_cast<RoIKernel>(roi_kernel_choice.exchange(static_cast<int>(choice)));
+}
+
+CpuVector cpu_vector() {
+  return static_cast<CpuVector>(cpu_vector_choice.load(std::memory_order_relaxed));
+}
+
+CpuVector set_cpu_vector(CpuVector choice) {
+  return static_cast<CpuVector>(cpu_vector_choice.exchange(static_cast<int>(choice)));
 }
 
 }  // namespace ops
@@ -224,6 +233,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "choose the CUDA roi_align / roi_pool kernels for NCHW input ('auto', 'band', 'gather'); "
       "returns the previous choice",
       py::arg("kernel"));
+  m.def(
+      "_set_cpu_vector",
+      [](const std::string& name) {
+        using detops::ops::CpuVector;
+        const char* names[] = {"auto", "sse2", "scalar"};
+        int choice = -1;
+        for (int i = 0; i < 3; ++i) {
+          if (name == names[i]) choice = i;
+        }
+        TORCH_CHECK(choice >= 0, "detops._set_cpu_vector: choice must be 'auto', 'sse2' or 'scalar', got '",
+                    name, "'");
+        const CpuVector previous = detops::ops::set_cpu_vector(static_cast<CpuVector>(choice));
+        return std::string(names[static_cast<int>(previous)]);
+      },
+      "choose the instructions of the CPU roi_pool forward ('auto', 'sse2', 'scalar'); returns "
+      "the previous choice",
+      py::arg("choice"));
   m.def("torch_version", []() { return std::string(DETOPS_TORCH_VERSION); },
         "the torch version this extension was built against");
 }

@@ -203,6 +203,96 @@ def test_ties_signed_zeros_and_nan_match_torchvision():
     assert torch.equal(arg, fb.int())
 
 
+CPU_VECTORS = ["auto", "sse2", "scalar"]
+
+
+def tie_input(shape, seed, nan=0.1):
+    """Small integers (many ties), -0 and +0, NaN, -inf and -FLT_MAX in random places."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 2, shape, generator=g).float()
+    zeros = x == 0
+    x[zeros] = torch.where(torch.rand(int(zeros.sum()), generator=g) < 0.5, -0.0, 0.0)
+    u = torch.rand(shape, generator=g)
+    x[u < nan] = float("nan")
+    x[(u >= nan) & (u < nan + 0.02)] = float("-inf")
+    x[(u >= nan + 0.02) & (u < nan + 0.04)] = torch.finfo(torch.float32).min
+    return x
+
+
+def strip_rois(batch, height, width, seed):
+    """RoIs at scale 1 whose width runs over 1..17 pixels (and the whole map), at every column
+    offset modulo 4 and up against both edges of the map."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for w in list(range(1, 18)) + [width]:
+        for x1 in sorted({0, 1, 2, 3, max(width - w, 0), max(width - w - 1, 0)}):
+            y1 = int(torch.randint(0, height, (1,), generator=g))
+            y2 = y1 + int(torch.randint(0, 6, (1,), generator=g))
+            b = int(torch.randint(0, batch, (1,), generator=g))
+            rows.append([b, x1, y1, x1 + w - 1, y2])
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def _cpu_vector_results(x, rois, size, scale):
+    from detops.ops._utils import cpu_vector
+
+    results = {}
+    for name in CPU_VECTORS:
+        with cpu_vector(name):
+            results[name] = op(x, rois, scale, *size)
+    return results
+
+
+@pytest.mark.parametrize("channels", [8, 13, 19])
+@pytest.mark.parametrize("width", [1, 3, 4, 5, 9, 23])
+def test_cpu_vector_paths_ties_nan_and_widths(channels, width):
+    """The float32 vector paths (AVX2 where the CPU has it, SSE2) and the scalar path give
+    torchvision's value bits and argmax, NCHW and channels_last, on bin widths 1..17 at every
+    column offset, maps narrower than a vector, partial channel blocks, ties, -0 / +0, NaN,
+    -inf and -FLT_MAX in every lane."""
+    x = tie_input((2, channels, 7, width), seed=10 + width)
+    x[:, :, :2, :2] = float("nan")  # bins that only hold NaN
+    rois = strip_rois(2, 7, width, seed=channels)
+    for size in [(1, 1), (2, 1), (3, 2), (2, 3), (1, 7)]:
+        want = torch.ops.torchvision.roi_pool(x, rois, 1.0, *size)
+        for xi in (x, x.contiguous(memory_format=torch.channels_last)):
+            for name, (out, arg) in _cpu_vector_results(xi, rois, size, 1.0).items():
+                assert torch.equal(out.view(torch.int32), want[0].view(torch.int32)), (name, size)
+                assert torch.equal(arg, want[1].int()), (name, size)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cpu_vector_paths_random_rois_and_threads(channels_last):
+    """Clipped, huge, tiny and inverted RoIs, fractional bins, 1 and 3 threads: all paths equal
+    torchvision, outputs and gradients."""
+    x = tie_input((2, 16, 20, 23), seed=3, nan=0.02)
+    x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    rois = random_rois(60, 2, 20, 23, 0.5, seed=11)
+    want = torch.ops.torchvision.roi_pool(x, rois, 0.5, 5, 4)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for name, (out, arg) in _cpu_vector_results(x, rois, (5, 4), 0.5).items():
+                assert torch.equal(out.view(torch.int32), want[0].view(torch.int32)), name
+                assert torch.equal(arg, want[1].int()), name
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_cpu_vector_choice():
+    from detops.ops._utils import cpu_vector
+
+    with pytest.raises(RuntimeError, match="'auto', 'sse2' or 'scalar'"):
+        with cpu_vector("avx512"):
+            pass
+    with cpu_vector("scalar"):
+        with cpu_vector("sse2"):
+            assert detops._C._set_cpu_vector("sse2") == "sse2"
+        assert detops._C._set_cpu_vector("scalar") == "scalar"
+    assert detops._C._set_cpu_vector("auto") == "auto"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty(device):
     x = torch.randn(2, 3, 5, 5, device=device, requires_grad=True)

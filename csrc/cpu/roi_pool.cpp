@@ -1,10 +1,14 @@
 // RoIPool (max) forward and backward on the CPU.
 //
-// Forward: one work item per (RoI, block of channels); each bin window is computed once per
-// item and scanned channel by channel. The input is read through its strides, so contiguous,
-// channels_last and other strided inputs need no copy. Each scan gives geometry::roi_pool_max's
-// result (row-major order, the first maximum wins, NaN never does), in two passes that carry
-// no dependency from one element to the next through an index (see window_max).
+// Forward: one work item per (block of 8 channels, RoI); the RoI's bin windows are computed
+// once per item. The input is read through its strides, so contiguous, channels_last and other
+// strided inputs need no copy. Every path gives geometry::roi_pool_max's value bits and index
+// (row-major order, the first maximum wins, NaN never does):
+//   * float32 with contiguous rows (NCHW) or contiguous channels (channels_last) and at least
+//     8 channels: the vector path (roi_pool_block.h), AVX2 where the CPU has it, else SSE2;
+//     the block's channels are the vector lanes, and each bin row's column maxima are found
+//     once for all the bins of that row (see "two steps" below);
+//   * any other input: a scalar scan per channel and bin (window_max).
 // Backward: grad_input is cut into ranges of (image, channel) planes of equal work; each plane
 // receives the gradients of its image's RoIs in RoI order: race-free, deterministic, and the
 // same summation order as a serial loop over RoIs. float32 / float64 add into grad_input
@@ -21,7 +25,9 @@
 
 #include "../common/checks.h"
 #include "../common/roi_pool_geometry.h"
+#include "../detops.h"
 #include "plane_chunks.h"
+#include "roi_pool_lanes.h"
 
 namespace detops {
 namespace ops {
@@ -47,7 +53,55 @@ std::vector<int64_t> batch_indices(const char* op, const at::Tensor& rois, int64
   return out;
 }
 
+// Channels per work item of the forward.
 constexpr int64_t kChannelBlock = 8;
+
+// The vector path finds a bin's maximum in two steps that give geometry::roi_pool_max's
+// result (row-major order, the first maximum wins, NaN never does):
+//   1. column maxima: for a bin row ph and every column w of the RoI, the largest value of
+//      rows [h0, h1) in column w and its index h * W + w. Only a strictly greater value
+//      replaces the maximum, so it is the first one from the top, and NaN never is. A column
+//      whose values are all NaN or at most roi_pool_lowest keeps roi_pool_lowest and index -1.
+//   2. per bin, over its columns [w0, w1) in order: a column replaces the current best when its
+//      maximum is greater, or equal (-0 == +0) with a smaller index. The result is the largest
+//      value m and, of the elements equal to m, the one with the smallest index: the first in
+//      row-major order, the element the serial scan keeps, with its value bits.
+// The vector path runs both steps on vectors of 8 channels: a bin row's column maxima are
+// computed once for all the bins of that row, and each column on its own.
+
+// Pixel windows of one RoI's bins: bin (ph, pw) covers rows [rows[2ph], rows[2ph + 1]) and
+// columns [cols[2pw], cols[2pw + 1]); it is empty when either range is, or when the RoI has
+// only empty bins (box.batch < 0). Non-empty bins cover columns [first_col, last_col).
+struct RoiWindows {
+  std::vector<int64_t> rows, cols;
+  int64_t first_col = 0, last_col = 0;
+
+  RoiWindows(int64_t pooled_height, int64_t pooled_width)
+      : rows(2 * pooled_height), cols(2 * pooled_width) {}
+
+  template <typename T>
+  void set(const geometry::RoiPoolBox<T>& box, int64_t height, int64_t width) {
+    const int64_t ph_n = static_cast<int64_t>(rows.size()) / 2;
+    const int64_t pw_n = static_cast<int64_t>(cols.size()) / 2;
+    first_col = width;
+    last_col = 0;
+    for (int64_t ph = 0; ph < ph_n; ++ph) {
+      for (int64_t pw = 0; pw < pw_n; ++pw) {
+        int64_t h0, h1, w0, w1;
+        if (roi_pool_bin(box, ph, pw, height, width, h0, h1, w0, w1)) {
+          first_col = std::min(first_col, w0);
+          last_col = std::max(last_col, w1);
+        }
+        rows[2 * ph] = h0;
+        rows[2 * ph + 1] = h1;
+        cols[2 * pw] = w0;
+        cols[2 * pw + 1] = w1;
+      }
+    }
+  }
+};
+
+// ---- Scalar path: any dtype, any strides, one channel and one bin at a time.
 
 // geometry::roi_pool_max of one channel in two passes: the largest value (two independent
 // maximum chains; NaN never replaces a maximum), then the first element equal to it in
@@ -89,6 +143,70 @@ inline acc_t window_max(
   return m;  // not reached: m is one of the window's values
 }
 
+// Channels [0, nc) of one RoI: channel c's plane is first_plane + c * s_c, its outputs
+// o[c * bins + j] and a[c * bins + j].
+template <typename scalar_t, typename acc_t = at::opmath_type<scalar_t>>
+void pool_channels_scalar(
+    const scalar_t* first_plane, int64_t s_c, int64_t s_h, int64_t s_w, int64_t width,
+    int64_t nc, const RoiWindows& win, int64_t pooled_height, int64_t pooled_width,
+    scalar_t* o, int32_t* a) {
+  const int64_t bins = pooled_height * pooled_width;
+  for (int64_t ph = 0; ph < pooled_height; ++ph) {
+    const int64_t h0 = win.rows[2 * ph], h1 = win.rows[2 * ph + 1];
+    for (int64_t pw = 0; pw < pooled_width; ++pw) {
+      const int64_t j = ph * pooled_width + pw;
+      const int64_t w0 = win.cols[2 * pw], w1 = win.cols[2 * pw + 1];
+      if (h1 <= h0 || w1 <= w0) {
+        for (int64_t c = 0; c < nc; ++c) {
+          o[c * bins + j] = scalar_t(0);
+          a[c * bins + j] = -1;
+        }
+        continue;
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        int64_t best_idx;
+        const acc_t best = window_max<acc_t>(
+            first_plane + c * s_c, s_h, s_w, width, h0, h1, w0, w1, best_idx);
+        o[c * bins + j] = static_cast<scalar_t>(best);
+        a[c * bins + j] = static_cast<int32_t>(best_idx);
+      }
+    }
+  }
+}
+
+// ---- Vector path: float32, kChannelBlock channels at a time (roi_pool_block.h), built once
+// per instruction set of roi_pool_lanes.h.
+#ifdef DETOPS_CPU_SSE2
+namespace sse2 {
+using Lanes = cpu::Sse2Lanes;
+#define DETOPS_LANES_FN
+#include "roi_pool_block.h"
+#undef DETOPS_LANES_FN
+}  // namespace sse2
+#endif
+#ifdef DETOPS_CPU_AVX2
+namespace avx2 {
+using Lanes = cpu::Avx2Lanes;
+#define DETOPS_LANES_FN DETOPS_AVX2_FN
+#include "roi_pool_block.h"
+#undef DETOPS_LANES_FN
+}  // namespace avx2
+#endif
+
+enum class ForwardPath { kScalar, kSse2, kAvx2 };
+
+// The path of a float32 input that the vector path takes, by cpu_vector() and this CPU.
+ForwardPath vector_forward_path() {
+  const CpuVector choice = cpu_vector();
+#ifdef DETOPS_CPU_AVX2
+  if (choice == CpuVector::kAuto && cpu::cpu_has_avx2()) return ForwardPath::kAvx2;
+#endif
+#ifdef DETOPS_CPU_SSE2
+  if (choice != CpuVector::kScalar) return ForwardPath::kSse2;
+#endif
+  return ForwardPath::kScalar;
+}
+
 template <typename scalar_t>
 void roi_pool_forward_typed(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
@@ -105,43 +223,73 @@ void roi_pool_forward_typed(
   scalar_t* out = output.data_ptr<scalar_t>();
   int32_t* arg = argmax.data_ptr<int32_t>();
   const int64_t blocks = (channels + kChannelBlock - 1) / kChannelBlock;
+  // The vector path needs whole blocks of channels (the last block is moved back to end on
+  // the last channel) and, for rows, groups of 4 columns.
+  const bool vector_rows = s_w == 1 && width >= 4;
+  const ForwardPath path = std::is_same<scalar_t, float>::value &&
+          channels >= kChannelBlock && (vector_rows || s_c == 1)
+      ? vector_forward_path()
+      : ForwardPath::kScalar;
+  const bool vector_path = path != ForwardPath::kScalar;
 
-  at::parallel_for(0, rois.size(0) * blocks, 1, [&](int64_t i0, int64_t i1) {
+  // Items run RoI fastest (item = block * K + RoI): a thread's range of items holds RoIs of
+  // all sizes, so equal ranges are about equal work, and it reads few channel planes.
+  const int64_t num_rois = rois.size(0);
+  at::parallel_for(0, num_rois * blocks, 1, [&](int64_t i0, int64_t i1) {
+    // vector path: the column maxima of one bin row and the results of one block, channel
+    // minor (kChannelBlock entries per column / bin)
+    const int64_t lanes = vector_path ? kChannelBlock : 0;
+    std::vector<float> col_max(width * lanes), res(bins * lanes);
+    std::vector<int32_t> col_idx(width * lanes), res_idx(bins * lanes);
+    RoiWindows win(pooled_height, pooled_width);
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t k = item / blocks;
-      const int64_t c0 = (item - k * blocks) * kChannelBlock;
+      const int64_t k = item % num_rois;
+      const int64_t c0 = item / num_rois * kChannelBlock;
       const int64_t nc = std::min(kChannelBlock, channels - c0);
       const scalar_t* roi = r + k * 5;
       const auto box = roi_pool_box<acc_t>(
           static_cast<acc_t>(roi[0]), static_cast<acc_t>(roi[1]), static_cast<acc_t>(roi[2]),
           static_cast<acc_t>(roi[3]), static_cast<acc_t>(roi[4]), scale, batch, pooled_height,
           pooled_width);
-      const scalar_t* planes[kChannelBlock];
-      for (int64_t c = 0; c < nc; ++c) {
-        planes[c] = in + (box.batch >= 0 ? box.batch * s_b + (c0 + c) * s_c : 0);
-      }
       scalar_t* o = out + (k * channels + c0) * bins;
       int32_t* a = arg + (k * channels + c0) * bins;
-      for (int64_t ph = 0; ph < pooled_height; ++ph) {
-        for (int64_t pw = 0; pw < pooled_width; ++pw) {
-          const int64_t j = ph * pooled_width + pw;
-          int64_t h0, h1, w0, w1;
-          if (!roi_pool_bin(box, ph, pw, height, width, h0, h1, w0, w1)) {
-            for (int64_t c = 0; c < nc; ++c) {
-              o[c * bins + j] = scalar_t(0);
-              a[c * bins + j] = -1;
-            }
-            continue;
+      if (box.batch < 0) {  // only empty bins
+        std::fill(o, o + nc * bins, scalar_t(0));
+        std::fill(a, a + nc * bins, -1);
+        continue;
+      }
+      win.set(box, height, width);
+      if constexpr (std::is_same<scalar_t, float>::value) {
+        if (vector_path) {
+          const int64_t cb = std::min(c0, channels - kChannelBlock);  // block's first channel
+          const float* first = in + box.batch * s_b + cb * s_c;
+#ifdef DETOPS_CPU_AVX2
+          if (path == ForwardPath::kAvx2) {
+            avx2::pool_block(
+                first, s_c, s_h, s_w, width, vector_rows, win, pooled_height, pooled_width,
+                col_max.data(), col_idx.data(), res.data(), res_idx.data());
           }
+#endif
+#ifdef DETOPS_CPU_SSE2
+          if (path == ForwardPath::kSse2) {
+            sse2::pool_block(
+                first, s_c, s_h, s_w, width, vector_rows, win, pooled_height, pooled_width,
+                col_max.data(), col_idx.data(), res.data(), res_idx.data());
+          }
+#endif
           for (int64_t c = 0; c < nc; ++c) {
-            int64_t best_idx;
-            const acc_t best =
-                window_max<acc_t>(planes[c], s_h, s_w, width, h0, h1, w0, w1, best_idx);
-            o[c * bins + j] = static_cast<scalar_t>(best);
-            a[c * bins + j] = static_cast<int32_t>(best_idx);
+            const int64_t l = c0 - cb + c;
+            for (int64_t j = 0; j < bins; ++j) {
+              o[c * bins + j] = res[j * kChannelBlock + l];
+              a[c * bins + j] = res_idx[j * kChannelBlock + l];
+            }
           }
+          continue;
         }
       }
+      pool_channels_scalar(
+          in + box.batch * s_b + c0 * s_c, s_c, s_h, s_w, width, nc, win, pooled_height,
+          pooled_width, o, a);
     }
   });
 }

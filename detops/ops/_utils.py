@@ -53,3 +53,18 @@ def roi_kernel(name: str) -> Iterator[None]:
         yield
     finally:
         _C._set_roi_kernel(previous)
+
+
+@contextlib.contextmanager
+def cpu_vector(name: str) -> Iterator[None]:
+    """Within the block, the CPU roi_pool forward on float32 input uses the chosen instructions:
+    'auto' (the default: AVX2 where the CPU has it, else SSE2 on x86-64, else scalar code),
+    'sse2' or 'scalar'. Process-wide; for benchmarks and tests that compare the paths, which
+    give the same bits."""
+    from detops import _C
+
+    previous = _C._set_cpu_vector(name)
+    try:
+        yield
+    finally:
+        _C._set_cpu_vector(previous)

@@ -1,0 +1,120 @@
+// The vector path of the CPU roi_pool forward: all bins of one RoI for a block of 8 float32
+// channels, one channel per lane (the two steps are described in roi_pool.cpp).
+//
+// No include guard: roi_pool.cpp includes this file once per instruction set, each time inside
+// its own namespace that defines
+//   Lanes               a lane type of roi_pool_lanes.h (Sse2Lanes, Avx2Lanes)
+//   DETOPS_LANES_FN     attributes of the functions below (the target of Lanes' instructions)
+// after kChannelBlock (8) and RoiWindows.
+
+// Step 1 when rows are contiguous (s_w == 1, width >= 4): columns in groups of 4, the block's
+// channels l and l + 4 in the halves of one vector (4 chains), then a transpose within the
+// halves gives one vector per column, a lane per channel. A group that would pass the right
+// edge of the map is moved left to end on it: it recomputes columns that an earlier group
+// holds, with the same result (every column is computed on its own). Columns outside [c0, c1)
+// may be written too, never outside [0, width).
+DETOPS_LANES_FN inline void column_max_rows(
+    const float* first_plane, int64_t s_c, int64_t s_h, int64_t width, int64_t h0, int64_t h1,
+    int64_t c0, int64_t c1, float* col_max, int32_t* col_idx) {
+  using F = Lanes::F;
+  using I = Lanes::I;
+  const F lowest = Lanes::fill(geometry::roi_pool_lowest<float>());
+  const I none = Lanes::fill(int32_t{-1});
+  for (int64_t w = c0; w < c1;) {
+    const int64_t g = std::min(w, width - 4);
+    const I cols = Lanes::add(Lanes::fill(static_cast<int32_t>(g)), Lanes::iota4());
+    F m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
+    I r0 = none, r1 = none, r2 = none, r3 = none;
+    const float* p = first_plane + h0 * s_h + g;
+    for (int64_t h = h0; h < h1; ++h, p += s_h) {
+      const I idx = Lanes::add(Lanes::fill(static_cast<int32_t>(h * width)), cols);
+      Lanes::keep_greater(Lanes::load_halves(p, p + 4 * s_c), idx, m0, r0);
+      Lanes::keep_greater(Lanes::load_halves(p + s_c, p + 5 * s_c), idx, m1, r1);
+      Lanes::keep_greater(Lanes::load_halves(p + 2 * s_c, p + 6 * s_c), idx, m2, r2);
+      Lanes::keep_greater(Lanes::load_halves(p + 3 * s_c, p + 7 * s_c), idx, m3, r3);
+    }
+    Lanes::transpose4(m0, m1, m2, m3);
+    Lanes::transpose4(r0, r1, r2, r3);
+    Lanes::store(col_max + g * kChannelBlock, m0);
+    Lanes::store(col_max + (g + 1) * kChannelBlock, m1);
+    Lanes::store(col_max + (g + 2) * kChannelBlock, m2);
+    Lanes::store(col_max + (g + 3) * kChannelBlock, m3);
+    Lanes::store(col_idx + g * kChannelBlock, r0);
+    Lanes::store(col_idx + (g + 1) * kChannelBlock, r1);
+    Lanes::store(col_idx + (g + 2) * kChannelBlock, r2);
+    Lanes::store(col_idx + (g + 3) * kChannelBlock, r3);
+    w = g + 4;
+  }
+}
+
+// Step 1 when channels are contiguous (s_c == 1, channels_last): a load is the block's 8
+// channels at one pixel; two columns at a time for independent chains.
+DETOPS_LANES_FN inline void column_max_channels(
+    const float* first_plane, int64_t s_h, int64_t s_w, int64_t width, int64_t h0, int64_t h1,
+    int64_t c0, int64_t c1, float* col_max, int32_t* col_idx) {
+  using F = Lanes::F;
+  using I = Lanes::I;
+  const F lowest = Lanes::fill(geometry::roi_pool_lowest<float>());
+  const I none = Lanes::fill(int32_t{-1});
+  for (int64_t w = c0; w < c1; w += 2) {
+    const int64_t w2 = std::min(w + 1, c1 - 1);  // an odd last column is done twice
+    F m = lowest, m2 = lowest;
+    I r = none, r2 = none;
+    const float* p = first_plane + h0 * s_h + w * s_w;
+    const float* p2 = first_plane + h0 * s_h + w2 * s_w;
+    for (int64_t h = h0; h < h1; ++h, p += s_h, p2 += s_h) {
+      Lanes::keep_greater(Lanes::load(p), Lanes::fill(static_cast<int32_t>(h * width + w)), m, r);
+      Lanes::keep_greater(
+          Lanes::load(p2), Lanes::fill(static_cast<int32_t>(h * width + w2)), m2, r2);
+    }
+    Lanes::store(col_max + w * kChannelBlock, m);
+    Lanes::store(col_idx + w * kChannelBlock, r);
+    Lanes::store(col_max + w2 * kChannelBlock, m2);
+    Lanes::store(col_idx + w2 * kChannelBlock, r2);
+  }
+}
+
+// The block's channels l = 0..7 at first_plane + l * s_c: step 1 by rows when `rows`, else by
+// channels; step 2 per bin. Writes bin j of channel l to res[j * 8 + l], res_idx[j * 8 + l].
+// col_max / col_idx hold 8 entries per column of the map.
+DETOPS_LANES_FN inline void pool_block(
+    const float* first_plane, int64_t s_c, int64_t s_h, int64_t s_w, int64_t width, bool rows,
+    const RoiWindows& win, int64_t pooled_height, int64_t pooled_width, float* col_max,
+    int32_t* col_idx, float* res, int32_t* res_idx) {
+  using F = Lanes::F;
+  using I = Lanes::I;
+  const F lowest = Lanes::fill(geometry::roi_pool_lowest<float>());
+  const I none = Lanes::fill(int32_t{-1});
+  for (int64_t ph = 0; ph < pooled_height; ++ph) {
+    const int64_t h0 = win.rows[2 * ph], h1 = win.rows[2 * ph + 1];
+    if (h1 > h0) {
+      if (rows) {
+        column_max_rows(
+            first_plane, s_c, s_h, width, h0, h1, win.first_col, win.last_col, col_max, col_idx);
+      } else {
+        column_max_channels(
+            first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max, col_idx);
+      }
+    }
+    for (int64_t pw = 0; pw < pooled_width; ++pw) {
+      const int64_t j = ph * pooled_width + pw;
+      const int64_t w0 = win.cols[2 * pw], w1 = win.cols[2 * pw + 1];
+      if (h1 <= h0 || w1 <= w0) {
+        Lanes::store(res + j * kChannelBlock, Lanes::fill(0.f));
+        Lanes::store(res_idx + j * kChannelBlock, none);
+        continue;
+      }
+      // An all-NaN column (maximum roi_pool_lowest, index -1) is never taken: its maximum is
+      // not greater than best, and when equal, best's index is -1 too.
+      F best = lowest;
+      I bi = none;
+      for (int64_t w = w0; w < w1; ++w) {
+        Lanes::keep_first_max(
+            Lanes::load(col_max + w * kChannelBlock), Lanes::load(col_idx + w * kChannelBlock),
+            best, bi);
+      }
+      Lanes::store(res + j * kChannelBlock, best);
+      Lanes::store(res_idx + j * kChannelBlock, bi);
+    }
+  }
+}
