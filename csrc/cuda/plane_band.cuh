@@ -9,7 +9,14 @@
 // overlap) clamped to H, so that a bin row starting near the end of its band still finds its
 // pixels in shared memory. A bin row reaching past the staged window reads those pixels from
 // global memory instead (same values, same arithmetic), so results never depend on the plan.
+//
+// Backward kernels accumulate a band in shared memory and write it out once: rows that only
+// one band stages are stored, rows two bands stage (shared_row) are zeroed beforehand
+// (zero_shared_rows) and added with global atomics.
 #pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -25,12 +32,13 @@ struct BandPlan {
   int core = 0;     // rows a band owns
   int overlap = 0;  // rows staged past the owned ones
   int bands = 0;    // ceil(H / core)
-  int stride = 0;   // shared-memory elements per staged row (W, padded to an odd count)
+  int stride = 0;   // shared-memory elements per staged row (see padded_stride)
   int64_t smem_bytes = 0;
   bool ok = false;  // false: the plane is too wide to stage useful bands
 };
 
-// A row stride with an odd element count spreads the rows of a column over the 32 banks.
+// Shared-memory elements per staged row: an odd count, so that the rows of one column spread
+// over the 32 banks (kernels that read many RoIs at once read many rows at similar columns).
 inline int padded_stride(int64_t width) {
   return static_cast<int>(width % 2 == 0 ? width + 1 : width);
 }
@@ -66,16 +74,118 @@ __device__ __forceinline__ BandRows band_rows(const BandPlan& p, int band, int h
 }
 
 // Copies rows [rows.first, rows.last) of a row-major plane with `width` columns into `smem`
-// (row stride p.stride). All threads of the block take part; the caller synchronizes.
+// (row stride p.stride). All threads of the block take part; the caller synchronizes. Planes
+// whose rows are whole 16-byte vectors are read a vector at a time, four loads in flight per
+// thread, and stored element by element (the shared rows have an odd stride).
 template <typename T>
 __device__ __forceinline__ void stage_rows(
-    const T* __restrict__ plane, int width, const BandPlan& p, BandRows rows, T* smem) {
+    const T* __restrict__ plane, int width, const BandPlan& p, BandRows rows, T* __restrict__ smem) {
+  constexpr int kPerVec = sizeof(T) >= 16 ? 1 : static_cast<int>(16 / sizeof(T));
+  const T* src_rows = plane + static_cast<int64_t>(rows.first) * width;
+  const int n_rows = rows.last - rows.first;
+  if (sizeof(T) < 16 && width % kPerVec == 0 && reinterpret_cast<uintptr_t>(src_rows) % 16 == 0) {
+    struct alignas(16) Vec {
+      T v[kPerVec];
+    };
+    const int vw = width / kPerVec;
+    const int total = n_rows * vw;
+    const Vec* src = reinterpret_cast<const Vec*>(src_rows);
+    constexpr int kUnroll = 4;
+    for (int base = threadIdx.x; base < total; base += kUnroll * blockDim.x) {
+      Vec v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * blockDim.x;
+        if (i < total) v[u] = src[i];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * blockDim.x;
+        if (i < total) {
+          const int r = i / vw;
+          T* dst = smem + r * p.stride + (i - r * vw) * kPerVec;
+#pragma unroll
+          for (int j = 0; j < kPerVec; ++j) dst[j] = v[u].v[j];
+        }
+      }
+    }
+    return;
+  }
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int r = rows.first + static_cast<int>(threadIdx.x / 32); r < rows.last; r += warps) {
-    const T* src = plane + static_cast<int64_t>(r) * width;
-    T* dst = smem + (r - rows.first) * p.stride;
+  for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += warps) {
+    const T* src = src_rows + static_cast<int64_t>(r) * width;
+    T* dst = smem + r * p.stride;
     for (int c = lane; c < width; c += 32) dst[c] = src[c];
   }
+}
+
+// Whether staged row r of band `bi` is also staged by a neighbouring band: such rows are
+// zeroed beforehand (zero_shared_rows) and added to with atomics, every other row is stored.
+__device__ __forceinline__ bool shared_row(const BandPlan& plan, int bi, int r) {
+  const int first = bi * plan.core;
+  return (bi > 0 && r < first + plan.overlap) || r >= first + plan.core;
+}
+
+// Zeroes, in every (image, channel) plane of a contiguous [planes, H, W] buffer, the rows that
+// two bands stage. The others are written whole by their band.
+template <typename T>
+void zero_shared_rows(T* data, int64_t planes, int64_t height, int64_t width, const BandPlan& plan,
+                      cudaStream_t stream) {
+  const size_t row_bytes = static_cast<size_t>(width) * sizeof(T);
+  for (int bi = 1; bi < plan.bands; ++bi) {
+    const int64_t first = static_cast<int64_t>(bi) * plan.core;
+    const int64_t rows = std::min<int64_t>(plan.overlap, height - first);
+    if (rows <= 0) continue;
+    C10_CUDA_CHECK(cudaMemset2DAsync(
+        data + first * width, static_cast<size_t>(height) * row_bytes, 0,
+        static_cast<size_t>(rows) * row_bytes, static_cast<size_t>(planes), stream));
+  }
+}
+
+// Groups bin rows by owner in one block (a counting sort; the order within an owner does not
+// matter to the kernels): owner `key`'s rows are rows[offsets[key] .. offsets[key + 1]).
+// counts: num_keys + 1 ints of scratch. Launch with kGroupThreads threads.
+constexpr int kGroupThreads = 1024;
+
+template <typename index_t>
+__global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
+    const index_t* __restrict__ keys, index_t total, index_t num_keys, index_t* __restrict__ counts,
+    index_t* __restrict__ offsets, index_t* __restrict__ rows) {
+  __shared__ index_t carry;
+  __shared__ index_t part[kGroupThreads];
+  for (index_t i = threadIdx.x; i <= num_keys; i += blockDim.x) counts[i] = 0;
+  __syncthreads();
+  for (index_t i = threadIdx.x; i < total; i += blockDim.x) atomicAdd(&counts[keys[i]], index_t(1));
+  __syncthreads();
+  // exclusive scan of counts into offsets, a block-wide pass per blockDim keys
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (index_t base = 0; base <= num_keys; base += blockDim.x) {
+    const index_t i = base + threadIdx.x;
+    const index_t v = i < num_keys ? counts[i] : 0;
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (int off = 1; off < static_cast<int>(blockDim.x); off *= 2) {
+      const index_t add = threadIdx.x >= static_cast<unsigned>(off) ? part[threadIdx.x - off] : 0;
+      __syncthreads();
+      part[threadIdx.x] += add;
+      __syncthreads();
+    }
+    if (i <= num_keys) offsets[i] = carry + part[threadIdx.x] - v;
+    __syncthreads();
+    if (threadIdx.x == blockDim.x - 1) carry += part[threadIdx.x];
+    __syncthreads();
+  }
+  for (index_t i = threadIdx.x; i < num_keys; i += blockDim.x) counts[i] = offsets[i];
+  __syncthreads();
+  for (index_t i = threadIdx.x; i < total; i += blockDim.x) rows[atomicAdd(&counts[keys[i]], index_t(1))] = i;
+}
+
+// Raises a kernel's dynamic shared-memory limit (a host-side attribute of the kernel on the
+// current device; cheap to set again).
+template <typename Kernel>
+void allow_smem(Kernel kernel, int64_t bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 }  // namespace plane_band

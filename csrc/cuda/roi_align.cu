@@ -36,6 +36,7 @@
 #include "../common/roi_align_checks.h"
 #include "../common/roi_align_geometry.h"
 #include "cuda_helpers.h"
+#include "roi_checks.cuh"
 #include "roi_align_rois.cuh"
 
 namespace detops {
@@ -495,17 +496,6 @@ __global__ void roi_align_gather_kernel(
   }
 }
 
-// Reports a RoI whose batch index is not an integer in [0, batch) through a device assert,
-// without waiting for the device. The kernels already ignore such RoIs.
-void assert_batch_indices(const char* op, const at::Tensor& rois, int64_t batch) {
-  const at::Tensor index = rois.select(1, 0);
-  const at::Tensor ok = at::logical_and(
-      at::logical_and(index >= 0, index < static_cast<double>(batch)), index == index.trunc());
-  const std::string msg = std::string(op) + ": rois[:, 0] (the batch index) must hold integers in [0, " +
-      std::to_string(batch) + ")";
-  at::_assert_async(ok.all(), msg);
-}
-
 at::ScalarType acc_dtype_of(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -521,7 +511,7 @@ at::Tensor roi_align_forward_cuda(
       at::empty({rois.size(0), input.size(1), pooled_height, pooled_width}, input.options());
   if (output.numel() == 0) return output;
   const int64_t batch = input.size(0);
-  assert_batch_indices(kForwardOp, rois, batch);
+  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlign, rois, batch);
   const at::Tensor r = rois.to(acc_dtype_of(rois.scalar_type())).contiguous();
   if (roi_align_forward_band(
           input, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, output)) {
@@ -683,7 +673,7 @@ at::Tensor roi_align_backward_cuda(
   if (batch_size * channels * height * width == 0 || rois.size(0) == 0) {
     return at::zeros({batch_size, channels, height, width}, grad.options());
   }
-  assert_batch_indices(kBackwardOp, rois, batch_size);
+  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlignBackward, rois, batch_size);
   const at::Tensor r = rois.to(acc_dtype_of(dtype)).contiguous();
 
   if (at::globalContext().deterministicAlgorithms()) {

@@ -53,7 +53,6 @@ constexpr int kBandThreads = 512;
 constexpr int kMaxBandGrid = 4;  // sampling ratios the band kernels take
 // Shared memory for a band: two blocks fit on an SM.
 constexpr int64_t kBandBudget = 100 * 1024;
-constexpr int kSortThreads = 1024;
 
 // A sample row or column as the band kernels read it: one 16-byte load (two for double).
 // lo < 0: the sample reads nothing.
@@ -109,42 +108,6 @@ __global__ void band_taps_kernel(
       tall[k * pooled_height + p] = hi_max >= last ? 1 : 0;
     }
   }
-}
-
-// One block groups the bin rows by owner (a counting sort; the order within an owner is
-// irrelevant, every bin row is computed on its own): owner `key`'s rows are
-// rows[offsets[key] .. offsets[key + 1]). counts: num_keys + 1 ints of scratch.
-__global__ void __launch_bounds__(kSortThreads) band_rows_kernel(
-    const int32_t* __restrict__ keys, int32_t total, int32_t num_keys, int32_t* __restrict__ counts,
-    int32_t* __restrict__ offsets, int32_t* __restrict__ rows) {
-  __shared__ int32_t carry;
-  for (int32_t i = threadIdx.x; i <= num_keys; i += blockDim.x) counts[i] = 0;
-  __syncthreads();
-  for (int32_t i = threadIdx.x; i < total; i += blockDim.x) atomicAdd(&counts[keys[i]], 1);
-  __syncthreads();
-  // exclusive scan of counts into offsets, a block-wide pass per blockDim keys
-  __shared__ int32_t part[kSortThreads];
-  if (threadIdx.x == 0) carry = 0;
-  __syncthreads();
-  for (int32_t base = 0; base <= num_keys; base += blockDim.x) {
-    const int32_t i = base + threadIdx.x;
-    const int32_t v = i < num_keys ? counts[i] : 0;
-    part[threadIdx.x] = v;
-    __syncthreads();
-    for (int off = 1; off < static_cast<int>(blockDim.x); off *= 2) {
-      const int32_t add = threadIdx.x >= static_cast<unsigned>(off) ? part[threadIdx.x - off] : 0;
-      __syncthreads();
-      part[threadIdx.x] += add;
-      __syncthreads();
-    }
-    if (i <= num_keys) offsets[i] = carry + part[threadIdx.x] - v;
-    __syncthreads();
-    if (threadIdx.x == blockDim.x - 1) carry += part[threadIdx.x];
-    __syncthreads();
-  }
-  for (int32_t i = threadIdx.x; i < num_keys; i += blockDim.x) counts[i] = offsets[i];
-  __syncthreads();
-  for (int32_t i = threadIdx.x; i < total; i += blockDim.x) rows[atomicAdd(&counts[keys[i]], 1)] = i;
 }
 
 struct BandShape {
@@ -230,13 +193,6 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
   }
 }
 
-// Whether staged row r of band `bi` is shared with a neighbouring band (zeroed beforehand and
-// added with atomics) rather than written by this band alone.
-__device__ __forceinline__ bool shared_row(const BandPlan& plan, int bi, int r) {
-  const int first = bi * plan.core;
-  return (bi > 0 && r < first + plan.overlap) || r >= first + plan.core;
-}
-
 template <typename scalar_t, typename acc_t, int G>
 __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
     const scalar_t* __restrict__ grad, const BandTap<acc_t>* __restrict__ taps,
@@ -303,7 +259,7 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
     for (int r = window.first + static_cast<int>(threadIdx.x / 32); r < window.last; r += warps) {
       const acc_t* src = band + (r - window.first) * plan.stride;
       acc_t* dst = out + static_cast<int64_t>(r) * sh.width;
-      if (shared_row(plan, bi, r)) {
+      if (plane_band::shared_row(plan, bi, r)) {
         for (int x = lane; x < sh.width; x += 32) {
           if (src[x] != acc_t(0)) gpuAtomicAdd(dst + x, src[x]);
         }
@@ -437,7 +393,7 @@ BandSetup setup_bands(
       static_cast<acc_t>(spatial_scale), static_cast<int>(sampling_ratio), aligned, s.plan,
       reinterpret_cast<BandTap<acc_t>*>(s.taps.data_ptr<uint8_t>()), keys, s.tall);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  band_rows_kernel<<<1, kSortThreads, 0, stream>>>(
+  plane_band::group_by_owner_kernel<int32_t><<<1, plane_band::kGroupThreads, 0, stream>>>(
       keys, static_cast<int32_t>(s.rows_total), static_cast<int32_t>(s.num_keys), counts, offsets,
       rows);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -453,14 +409,6 @@ BandSetup setup_bands(
   s.grid = dim3(static_cast<unsigned>(s.num_keys), static_cast<unsigned>(cuda::ceil_div(channels, per_block)));
   s.smem = static_cast<size_t>(s.plan.smem_bytes);
   return s;
-}
-
-// Raises a kernel's dynamic shared-memory limit to the band budget (a host-side attribute of
-// the kernel on the current device; cheap to set again).
-template <typename Kernel>
-void allow_band_smem(Kernel kernel) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBandBudget)));
 }
 
 // Calls f(std::integral_constant<int, G>) for G = grid in 1..kMaxBandGrid.
@@ -493,7 +441,7 @@ bool roi_align_forward_band(
         aligned, spatial_scale, input.element_size(), stream);
     with_grid(sampling_ratio, [&](auto g) {
       auto kernel = roi_align_band_forward_kernel<scalar_t, acc_t, decltype(g)::value>;
-      allow_band_smem(kernel);
+      plane_band::allow_smem(kernel, kBandBudget);
       kernel<<<s.grid, kBandThreads, s.smem, stream>>>(
           input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape,
           static_cast<acc_t>(sampling_ratio * sampling_ratio), s.plan, output.data_ptr<scalar_t>());
@@ -522,19 +470,11 @@ bool roi_align_backward_band(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
         aligned, spatial_scale, sizeof(acc_t), stream);
     // Rows two bands stage start at zero; every other row is stored by its band.
-    const size_t row_bytes = static_cast<size_t>(width) * sizeof(acc_t);
-    for (int bi = 1; bi < s.plan.bands; ++bi) {
-      const int64_t first = static_cast<int64_t>(bi) * s.plan.core;
-      const int64_t rows = std::min<int64_t>(s.plan.overlap, height - first);
-      if (rows <= 0) continue;
-      C10_CUDA_CHECK(cudaMemset2DAsync(
-          grad_input.data_ptr<acc_t>() + first * width, static_cast<size_t>(height) * row_bytes, 0,
-          static_cast<size_t>(rows) * row_bytes, static_cast<size_t>(batch * channels), stream));
-    }
+    plane_band::zero_shared_rows(grad_input.data_ptr<acc_t>(), batch * channels, height, width, s.plan, stream);
     const acc_t count = static_cast<acc_t>(sampling_ratio * sampling_ratio);
     with_grid(sampling_ratio, [&](auto gc) {
       auto kernel = roi_align_band_backward_kernel<scalar_t, acc_t, decltype(gc)::value>;
-      allow_band_smem(kernel);
+      plane_band::allow_smem(kernel, kBandBudget);
       kernel<<<s.grid, kBandThreads, s.smem, stream>>>(
           g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, count,
           s.plan, grad_input.data_ptr<acc_t>());

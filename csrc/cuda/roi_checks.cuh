@@ -1,0 +1,61 @@
+// Device-side check of RoI batch indices, in one launch and without a host sync: a RoI whose
+// rois[k, 0] is not an integer in [0, B) fails a device assertion that names the op. The RoI
+// kernels ignore such RoIs (empty bins, no gradient), so nothing is read or written out of
+// bounds before the error surfaces at the next synchronization.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/macros/Macros.h>
+
+#include <cstdint>
+
+#include "cuda_helpers.h"
+
+namespace detops {
+namespace ops {
+namespace roi_checks {
+
+enum class RoIOp : int { kRoIAlign, kRoIAlignBackward, kRoIPool, kRoIPoolBackward };
+
+template <typename T>
+__global__ void batch_index_kernel(int64_t num_rois, const T* __restrict__ rois, int64_t row_stride,
+                                   int64_t batch, RoIOp op) {
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < num_rois;
+       k += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+    const double v = static_cast<double>(rois[k * row_stride]);
+    const bool ok = v >= 0.0 && v < static_cast<double>(batch) && floor(v) == v;
+    switch (op) {
+      case RoIOp::kRoIAlign:
+        CUDA_KERNEL_ASSERT(ok && "detops.roi_align: rois[:, 0] (the batch index) must hold integers in [0, B)");
+        break;
+      case RoIOp::kRoIAlignBackward:
+        CUDA_KERNEL_ASSERT(ok && "detops._roi_align_backward: rois[:, 0] (the batch index) must hold integers in [0, B)");
+        break;
+      case RoIOp::kRoIPool:
+        CUDA_KERNEL_ASSERT(ok && "detops.roi_pool: rois[:, 0] must hold batch indices, integers in [0, B)");
+        break;
+      default:
+        CUDA_KERNEL_ASSERT(ok && "detops.roi_pool backward: rois[:, 0] must hold batch indices, integers in [0, B)");
+        break;
+    }
+  }
+}
+
+// rois: [K, 5] floating tensor on the current CUDA device (any row stride).
+inline void check_batch_indices_async(RoIOp op, const at::Tensor& rois, int64_t batch) {
+  const int64_t k = rois.size(0);
+  if (k == 0) return;
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rois.scalar_type(), "detops.check_batch_indices", [&] {
+    batch_index_kernel<scalar_t><<<cuda::grid_for(k, 256), 256, 0, stream>>>(
+        k, rois.const_data_ptr<scalar_t>() , rois.stride(0), batch, op);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace roi_checks
+}  // namespace ops
+}  // namespace detops
