@@ -19,6 +19,18 @@ def cuda_param(value="cuda"):
 DEVICES = ["cpu", cuda_param()]
 
 
+def dense_rois(batch, k, height, width, min_side, max_side, scale, seed, spill=0.0):
+    """[k, 5] RoIs in image coordinates whose sides span min_side..max_side feature pixels,
+    placed so that up to `spill` of a side lies outside the map."""
+    g = torch.Generator().manual_seed(seed)
+    side = min_side + torch.rand(k, 2, generator=g, dtype=torch.float64) * (max_side - min_side)
+    lo = -spill * side
+    span = torch.tensor([width, height], dtype=torch.float64) - (1 - 2 * spill) * side
+    xy = lo + torch.rand(k, 2, generator=g, dtype=torch.float64) * span.clamp(min=0)
+    idx = torch.randint(0, batch, (k, 1), generator=g).double()
+    return torch.cat([idx, xy, xy + side], 1) / torch.tensor([1, scale, scale, scale, scale], dtype=torch.float64)
+
+
 @pytest.fixture(scope="session")
 def torch_extensions_dir(tmp_path_factory):
     """One TORCH_EXTENSIONS_DIR for the JIT builds of a test session, so each builds once."""

@@ -11,7 +11,7 @@ import torchvision
 import detops  # noqa: F401  (loads the ops)
 from detops.ops import RoIAlign, roi_align
 from detops.reference.roi_align import roi_align as ref_roi_align
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, dense_rois
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12)}
 # Output rounding of the low-precision dtypes, relative to the largest magnitude.
@@ -625,18 +625,6 @@ def test_roi_kernel_choice_is_checked():
     assert detops._C._set_roi_kernel("auto") == "auto"
 
 
-def _dense_rois(batch, k, height, width, min_side, max_side, scale, seed, spill=0.0):
-    """[k, 5] RoIs in image coordinates whose sides span min_side..max_side feature pixels,
-    placed so that up to `spill` of a side lies outside the map."""
-    g = torch.Generator().manual_seed(seed)
-    side = min_side + torch.rand(k, 2, generator=g, dtype=torch.float64) * (max_side - min_side)
-    lo = -spill * side
-    span = torch.tensor([width, height], dtype=torch.float64) - (1 - 2 * spill) * side
-    xy = lo + torch.rand(k, 2, generator=g, dtype=torch.float64) * span.clamp(min=0)
-    idx = torch.randint(0, batch, (k, 1), generator=g).double()
-    return torch.cat([idx, xy, xy + side], 1) / torch.tensor([1, scale, scale, scale, scale], dtype=torch.float64)
-
-
 # (batch, channels, height, width, rois, min side, max side, spill, pooled size, sampling ratio,
 #  aligned). float32 planes 600 wide stage 39-row windows (4 bands of 30 rows for H = 100), and
 # RoIs 90 rows tall have bins taller than the 9-row overlap; 1200 RoIs on two 64 x 64 maps give
@@ -670,7 +658,7 @@ def test_cuda_band_kernels_agree_with_gather_and_cpu(case):
     scale = 0.25
     g = torch.Generator().manual_seed(len(case))
     x = torch.randn(batch, c, h, w, generator=g)
-    rois = _dense_rois(batch, k, h, w, lo, hi, scale, seed=k, spill=spill).float()
+    rois = dense_rois(batch, k, h, w, lo, hi, scale, seed=k, spill=spill).float()
     grad = torch.randn(k, c, *pooled, generator=g)
     grad[::3] = 0  # zero gradients add nothing
     res = _band_vs_gather(x.cuda(), rois.cuda(), pooled, scale, sr, aligned, grad.cuda())
@@ -695,7 +683,7 @@ def test_cuda_band_kernels_dtypes(dtype, case):
     scale = 0.5
     g = torch.Generator().manual_seed(7)
     x = torch.randn(batch, c, h, w, generator=g, dtype=torch.float64).to(dtype)
-    rois = _dense_rois(batch, k, h, w, lo, hi, scale, seed=3, spill=spill).to(dtype)
+    rois = dense_rois(batch, k, h, w, lo, hi, scale, seed=3, spill=spill).to(dtype)
     grad = torch.randn(k, c, *pooled, generator=g, dtype=torch.float64).to(dtype)
     res = _band_vs_gather(x.cuda(), rois.cuda(), pooled, scale, sr, aligned, grad.cuda())
     (out_b, gi_b), (out_g, gi_g) = res["band"], res["gather"]
@@ -720,8 +708,8 @@ def test_cuda_band_kernels_run_when_chosen():
 
     small = torch.randn(2, 16, 64, 80, device="cuda", requires_grad=True)
     large = torch.randn(2, 256, 100, 304, device="cuda", requires_grad=True)  # 62 MB
-    dense_small = _dense_rois(2, 400, 64, 80, 2, 40, 0.25, seed=1).float().cuda()
-    dense_large = _dense_rois(2, 1024, 100, 304, 2, 60, 0.25, seed=1).float().cuda()
+    dense_small = dense_rois(2, 400, 64, 80, 2, 40, 0.25, seed=1).float().cuda()
+    dense_large = dense_rois(2, 1024, 100, 304, 2, 60, 0.25, seed=1).float().cuda()
 
     def kernels(kernel, x, rois):
         with roi_kernel(kernel), profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -746,7 +734,7 @@ def test_cuda_band_kernels_images_without_rois_and_empty_bins():
     from detops.ops._utils import roi_kernel
 
     x = torch.randn(3, 4, 50, 70, device="cuda", requires_grad=True)
-    rois = _dense_rois(3, 200, 50, 70, 1, 30, 1.0, seed=5, spill=0.3).float().cuda()
+    rois = dense_rois(3, 200, 50, 70, 1, 30, 1.0, seed=5, spill=0.3).float().cuda()
     rois[:, 0] = torch.where(rois[:, 0] == 1, 0.0, rois[:, 0])  # image 1 has no RoIs
     rois[:10, 1:] = torch.tensor([500.0, 500.0, 520.0, 530.0], device="cuda")  # wholly outside
     with roi_kernel("band"):

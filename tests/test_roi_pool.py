@@ -12,7 +12,7 @@ import detops
 from detops.ops import RoIPool, roi_pool
 from detops.reference import roi_pool as ref
 from detops.testing import random_rois as bench_rois
-from tests.conftest import DEVICES, cuda_param
+from tests.conftest import DEVICES, cuda_param, dense_rois
 
 op = torch.ops.detops.roi_pool
 op_bwd = torch.ops.detops._roi_pool_backward
@@ -540,27 +540,33 @@ def _integer_grad(shape, dtype, seed=0):
 
 
 def _check_cuda_against_cpu(x, rois, scale, ph, pw, layouts=LAYOUTS, backward=True):
-    """Forward (values, argmax) and both backward variants on CUDA equal the CPU kernel."""
+    """Forward (values, argmax) and both backward variants on CUDA equal the CPU kernel, with
+    the gather kernels and with the plane-band kernels (which take contiguous NCHW input)."""
+    from detops.ops._utils import roi_kernel
+
     out, arg = op(x, rois, scale, ph, pw)
     b, c, h, w = x.shape
     g = _integer_grad(out.shape, x.dtype)
     gi = op_bwd(g, rois, arg, scale, ph, pw, b, c, h, w) if backward else None
-    for layout in layouts:
-        xc = _layout(x.cuda(), layout)
-        out_c, arg_c = op(xc, rois.cuda(), scale, ph, pw)
-        assert torch.equal(out_c.cpu(), out), layout
-        assert torch.equal(arg_c.cpu(), arg), layout
-    if not backward:
-        return
-    gi_c = op_bwd(g.cuda(), rois.cuda(), arg.cuda(), scale, ph, pw, b, c, h, w)
-    assert torch.equal(gi_c.cpu(), gi)
-    prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        gi_d = op_bwd(g.cuda(), rois.cuda(), arg.cuda(), scale, ph, pw, b, c, h, w)
-    finally:
-        torch.use_deterministic_algorithms(prev)
-    assert torch.equal(gi_d.cpu(), gi)
+    for kernel in ("gather", "band"):
+        with roi_kernel(kernel):
+            for layout in layouts:
+                xc = _layout(x.cuda(), layout)
+                out_c, arg_c = op(xc, rois.cuda(), scale, ph, pw)
+                assert torch.equal(out_c.cpu(), out), (kernel, layout)
+                assert torch.equal(arg_c.cpu(), arg), (kernel, layout)
+            if not backward:
+                continue
+            gi_c = op_bwd(g.cuda(), rois.cuda(), arg.cuda(), scale, ph, pw, b, c, h, w)
+            assert gi_c.dtype == gi.dtype
+            assert torch.equal(gi_c.cpu(), gi), kernel
+            prev = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(True)
+            try:
+                gi_d = op_bwd(g.cuda(), rois.cuda(), arg.cuda(), scale, ph, pw, b, c, h, w)
+            finally:
+                torch.use_deterministic_algorithms(prev)
+            assert torch.equal(gi_d.cpu(), gi), kernel
 
 
 def _wide_rois(batch, height, width):
@@ -674,3 +680,86 @@ def test_cuda_backward_fp16_accumulates_in_float32():
     want = op_bwd(g, rois, arg.cpu(), 1.0, 1, 1, 1, 2, 4, 4)
     assert torch.equal(gi.cpu(), want)
     assert gi[0, 0, 1, 1].item() == torch.tensor(300 * 0.0999755859375).half().item()
+
+
+# ------------------------------------------------- CUDA plane-band kernels
+#
+# (batch, channels, height, width, rois, min side, max side, spill, pooled size). float32
+# planes 600 wide stage 27-row windows (5 bands of 21 rows for H = 100), so RoIs 90 rows tall
+# have bins taller than the 6-row overlap (read from global memory in the forward, added by
+# the tail kernel in the backward); 1300 RoIs on one 64 x 64 map give one block more bin rows
+# than it holds at once (several rounds in the forward, ids read from global memory in the
+# backward).
+POOL_BAND_CASES = {
+    "one band": (2, 8, 40, 56, 300, 2, 30, 0.0, (7, 7)),
+    "bands, tall bins": (1, 5, 100, 600, 400, 2, 90, 0.1, (7, 7)),
+    "odd sizes": (3, 4, 97, 301, 500, 1, 97, 0.2, (14, 14)),
+    "spilling RoIs": (2, 3, 120, 400, 200, 4, 200, 0.5, (3, 5)),
+    "many RoIs": (1, 3, 64, 64, 1300, 1, 20, 0.0, (7, 7)),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("case", sorted(POOL_BAND_CASES))
+def test_cuda_band_kernels_match_cpu(case, dtype):
+    batch, c, h, w, k, lo, hi, spill, pooled = POOL_BAND_CASES[case]
+    x = distinct_input((batch, c, h, w), seed=len(case)).to(dtype)
+    rois = dense_rois(batch, k, h, w, lo, hi, 0.25, seed=k, spill=spill).to(dtype)
+    _check_cuda_against_cpu(x, rois, 0.25, *pooled, layouts=["contiguous"])
+
+
+@pytest.mark.cuda
+def test_cuda_band_backward_adds_any_argmax():
+    # the backward op takes any argmax in [-1, H * W): pixels far from a bin's rows (outside
+    # its block's window) are added too. Out-of-range values, which the CPU kernel rejects,
+    # add nothing on CUDA (checking them would need a host sync).
+    from detops.ops._utils import roi_kernel
+
+    b, c, h, w = 2, 3, 100, 600
+    rois = dense_rois(b, 300, h, w, 2, 60, 1.0, seed=2).float()
+    g = _integer_grad((300, c, 7, 7), torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    arg = torch.randint(-1, h * w, (300, c, 7, 7), generator=gen, dtype=torch.int32)
+    want = op_bwd(g, rois, arg, 1.0, 7, 7, b, c, h, w)
+    bad = arg.clone()
+    out_of_range = torch.rand(arg.shape, generator=gen) < 0.1
+    bad[out_of_range] = torch.where(torch.rand(arg.shape, generator=gen) < 0.5, -7, h * w + 3).int()[out_of_range]
+    want_bad = op_bwd(g, rois, torch.where(out_of_range, -1, arg), 1.0, 7, 7, b, c, h, w)
+    for kernel in ("band", "gather"):
+        with roi_kernel(kernel):
+            assert torch.equal(op_bwd(g.cuda(), rois.cuda(), arg.cuda(), 1.0, 7, 7, b, c, h, w).cpu(), want)
+            assert torch.equal(op_bwd(g.cuda(), rois.cuda(), bad.cuda(), 1.0, 7, 7, b, c, h, w).cpu(), want_bad)
+
+
+@pytest.mark.cuda
+def test_cuda_band_kernels_run_when_chosen():
+    # Under 'auto' the band kernels run for bins dense on the map, the gather kernels for
+    # sparse ones, for channels_last input and for the deterministic backward.
+    from torch.profiler import ProfilerActivity, profile
+
+    from detops.ops._utils import roi_kernel
+
+    x = torch.randn(2, 16, 100, 152, device="cuda", requires_grad=True)
+    dense = bench_rois(512, 2, 100, 152, seed=1, spatial_scale=0.25).cuda()
+
+    def kernels(kernel, inp, rois):
+        with roi_kernel(kernel), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            roi_pool(inp, rois, 7, 0.25).sum().backward()
+            torch.cuda.synchronize()
+        return " ".join(e.name for e in prof.events())
+
+    names = kernels("auto", x, dense)
+    assert "band_forward" in names and "band_backward" in names
+    assert "band_" not in kernels("auto", x, dense[:8])
+    assert "band_" not in kernels("gather", x, dense)
+    names = kernels("band", x, dense[:8])
+    assert "band_forward" in names and "band_backward" in names
+    xcl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    assert "band_forward" not in kernels("band", xcl, dense)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "band_backward" not in kernels("band", x, dense)
+    finally:
+        torch.use_deterministic_algorithms(prev)

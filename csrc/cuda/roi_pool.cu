@@ -29,7 +29,7 @@
 //     Bit-identical from run to run, with the same summation order as the CPU kernel.
 //
 // Index arithmetic is 32-bit when every flat index of the launch fits, 64-bit otherwise.
-// Batch indices are checked on the device (at::_assert_async) instead of with a host sync;
+// Batch indices are checked on the device (roi_checks.cuh) instead of with a host sync;
 // a RoI with an invalid index has only empty bins and receives no gradient, so nothing is
 // read or written out of bounds either way.
 #include <ATen/ATen.h>
@@ -44,13 +44,30 @@
 #include "../common/checks.h"
 #include "../common/roi_pool_geometry.h"
 #include "cuda_helpers.h"
+#include "roi_checks.cuh"
+#include "roi_pool_rows.cuh"
 
 namespace detops {
 namespace ops {
+
+// roi_pool_band.cu: dense RoIs on NCHW maps through shared-memory plane bands; false for
+// inputs the band kernels do not take (or roi_kernel() rules out). The backward returns
+// grad_input in the accumulation type, or an undefined tensor when the band kernels do not
+// take the inputs.
+bool roi_pool_forward_band(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, at::Tensor& output, at::Tensor& argmax);
+at::Tensor roi_pool_backward_band(
+    const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
+    double spatial_scale, int64_t pooled_height, int64_t pooled_width, int64_t batch,
+    int64_t channels, int64_t height, int64_t width);
+
 namespace {
 
 using geometry::roi_pool_bin;
 using geometry::roi_pool_box;
+using roi_pool_cuda::lanes_per_bin;
+using roi_pool_cuda::take_better;
 
 constexpr int kThreads = 256;
 constexpr int kWarp = 32;
@@ -97,35 +114,6 @@ __device__ __forceinline__ geometry::RoiPoolBox<acc_t> load_box(
       static_cast<acc_t>(roi[0]), static_cast<acc_t>(roi[1]), static_cast<acc_t>(roi[2]),
       static_cast<acc_t>(roi[3]), static_cast<acc_t>(roi[4]), scale, in.batch, pooled_height,
       pooled_width);
-}
-
-// Candidate (v, i) replaces (best, best_i) when it is larger, or equal with a smaller row-major
-// index. Candidates are either (a value above roi_pool_lowest, its index >= 0) or
-// (roi_pool_lowest, -1), so "no candidate" never replaces a real one and the combination of
-// any partition of a bin gives the first maximum of its row-major scan.
-template <typename acc_t>
-__device__ __forceinline__ void take_better(acc_t v, int32_t i, acc_t& best, int32_t& best_i) {
-  if (v > best || (v == best && i < best_i)) {
-    best = v;
-    best_i = i;
-  }
-}
-
-// Lanes per bin for the rows kernel: the power of two g (1..32) with the fewest warp-wide
-// load rounds per bin row, passes * ceil(span / g), where a pass handles 32 / g bins of the
-// row and span bounds a bin's column count; ties go to the larger g (longer contiguous runs).
-__device__ __forceinline__ int lanes_per_bin(int64_t span, int64_t pooled_width) {
-  int best_g = kWarp;
-  int64_t best_cost = std::numeric_limits<int64_t>::max();
-  for (int g = kWarp; g >= 1; g >>= 1) {
-    const int64_t per_pass = kWarp / g;
-    const int64_t cost = ((pooled_width + per_pass - 1) / per_pass) * ((span + g - 1) / g);
-    if (cost < best_cost) {
-      best_cost = cost;
-      best_g = g;
-    }
-  }
-  return best_g;
 }
 
 // Rows kernel (see the file comment): a warp per item (channel block, k, ph), items ordered
@@ -355,12 +343,6 @@ void launch_backward_atomic(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Device-side check of the batch indices: no host sync, the error surfaces at the next sync.
-void assert_batch_indices(const at::Tensor& rois, int64_t batch, const char* message) {
-  const at::Tensor b = rois.select(1, 0);
-  at::_assert_async(at::logical_and(at::logical_and(b >= 0, b < batch), b == b.floor()).all(), message);
-}
-
 std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
     const at::Tensor& input, const at::Tensor& rois_in, double spatial_scale,
     int64_t pooled_height, int64_t pooled_width) {
@@ -376,9 +358,10 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
   at::Tensor argmax = at::empty(output.sizes(), input.options().dtype(at::kInt));
   if (output.numel() == 0) return {output, argmax};
   const at::Tensor rois = rois_in.contiguous();
-  assert_batch_indices(
-      rois, input.size(0),
-      "detops.roi_pool: rois[:, 0] must hold batch indices, integers in [0, B)");
+  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIPool, rois, input.size(0));
+  if (roi_pool_forward_band(input, rois, spatial_scale, pooled_height, pooled_width, output, argmax)) {
+    return {output, argmax};
+  }
   // channels kernel when the channels are the unit-stride dimension (channels_last)
   const bool channels_kernel = input.size(1) > 1 && input.stride(1) == 1;
   const int64_t groups =
@@ -436,15 +419,21 @@ at::Tensor roi_pool_backward_cuda(
   // float16 / bfloat16 atomics add into a float32 buffer, zeroed instead of grad_input
   const bool wide_acc = !deterministic && (grad.scalar_type() == at::kHalf ||
                                            grad.scalar_type() == at::kBFloat16);
-  at::Tensor grad_input = wide_acc && total > 0
-      ? at::empty({batch_size, channels, height, width}, grad.options())
-      : at::zeros({batch_size, channels, height, width}, grad.options());
-  if (total == 0 || grad_input.numel() == 0) return grad_input;
+  if (total == 0 || batch_size * channels * height * width == 0) {
+    return at::zeros({batch_size, channels, height, width}, grad.options());
+  }
   const at::Tensor rois = rois_in.contiguous();
   const at::Tensor argmax = argmax_in.contiguous();
-  assert_batch_indices(
-      rois, batch_size,
-      "detops.roi_pool backward: rois[:, 0] must hold batch indices, integers in [0, B)");
+  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIPoolBackward, rois, batch_size);
+  if (!deterministic) {
+    const at::Tensor band = roi_pool_backward_band(
+        grad, rois, argmax_in, spatial_scale, pooled_height, pooled_width, batch_size, channels,
+        height, width);
+    if (band.defined()) return band.to(grad.scalar_type());
+  }
+  at::Tensor grad_input = wide_acc
+      ? at::empty({batch_size, channels, height, width}, grad.options())
+      : at::zeros({batch_size, channels, height, width}, grad.options());
   const int64_t plane_size = height * width;
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(

@@ -25,6 +25,8 @@ def _setup_context(ctx, inputs, output) -> None:
     _, argmax = output
     ctx.save_for_backward(rois, argmax)
     ctx.mark_non_differentiable(argmax)
+    # argmax never has a gradient: no zero tensor of its shape is made for the backward
+    ctx.set_materialize_grads(False)
     ctx.spatial_scale = spatial_scale
     ctx.pooled_size = (pooled_height, pooled_width)
     ctx.input_shape = tuple(input.shape)
@@ -32,6 +34,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_output: Tensor, grad_argmax: Tensor):
+    if grad_output is None:
+        return None, None, None, None, None
     rois, argmax = ctx.saved_tensors
     b, c, h, w = ctx.input_shape
     # Under autocast the op ran in float32 on casts of the arguments (the Function saw the
