@@ -1,0 +1,64 @@
+"""Where the time of the CUDA RoI ops goes, on the benchmark inputs of bench_roi.
+
+    python -m benchmarks.profile_roi            # torch.profiler: the kernels of each call
+    ncu --clock-control none -k regex:'band|roi_pool|roi_align' \
+        --section SpeedOfLight --section Occupancy python -m benchmarks.profile_roi --once
+"""
+import argparse
+
+import torch
+import torchvision
+
+import detops
+from detops.ops._utils import roi_kernel
+from detops.testing import random_rois
+
+
+def cases():
+    x = torch.randn(2, 256, 200, 304, device="cuda")
+    rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
+    grad = torch.randn(1024, 256, 7, 7, device="cuda")
+    xg = x.clone().requires_grad_()
+
+    def fwd_bwd(fn):
+        def run():
+            xg.grad = None
+            fn(xg).backward(grad)
+        return run
+
+    out = {}
+    for kernel in ("band", "gather"):
+        out[f"roi_align fwd, {kernel}"] = (kernel, lambda: detops.ops.roi_align(x, rois, 7, 0.25, 2, True))
+        out[f"roi_align fwd+bwd, {kernel}"] = (kernel, fwd_bwd(lambda t: detops.ops.roi_align(t, rois, 7, 0.25, 2, True)))
+        out[f"roi_pool fwd, {kernel}"] = (kernel, lambda: detops.ops.roi_pool(x, rois, 7, 0.25))
+        out[f"roi_pool fwd+bwd, {kernel}"] = (kernel, fwd_bwd(lambda t: detops.ops.roi_pool(t, rois, 7, 0.25)))
+    out["torchvision roi_pool fwd+bwd"] = ("auto", fwd_bwd(lambda t: torchvision.ops.roi_pool(t, rois, 7, 0.25)))
+    out["torchvision roi_align fwd+bwd"] = ("auto", fwd_bwd(lambda t: torchvision.ops.roi_align(t, rois, 7, 0.25, 2, True)))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--once", action="store_true", help="one call of each case (for ncu)")
+    p.add_argument("--calls", type=int, default=10)
+    a = p.parse_args()
+    for name, (kernel, fn) in cases().items():
+        with roi_kernel(kernel):
+            if a.once:
+                fn()
+                continue
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                for _ in range(a.calls):
+                    fn()
+                torch.cuda.synchronize()
+        print(f"==== {name} ({a.calls} calls)")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=70))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
