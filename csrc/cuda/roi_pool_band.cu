@@ -118,10 +118,9 @@ __device__ __forceinline__ void scan_bin_row_segment(
 #pragma unroll 4
   for (int w = w0; w < w1; ++w) {
     const acc_t v = static_cast<acc_t>(row[w]);
-    if (v > best) {
-      best = v;
-      best_i = row_base + w;
-    }
+    const bool gt = v > best;  // selects, not branches: lanes of a warp scan unequal bins
+    best = gt ? v : best;
+    best_i = gt ? row_base + w : best_i;
   }
 }
 
