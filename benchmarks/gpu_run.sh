@@ -5,6 +5,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-output}
 mkdir -p "$OUT"
+# An offline machine can take the Python packages the tests need as wheels in ./.whl.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/detops-site .whl/*.whl && export PYTHONPATH=/tmp/detops-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'cuda', torch.version.cuda)"
