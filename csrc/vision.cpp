@@ -7,6 +7,7 @@
 #include <atomic>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "common/checks.h"
 #include "detops.h"
@@ -180,6 +181,32 @@ CpuVector set_cpu_vector(CpuVector choice) {
 #ifdef DETOPS_WITH_PYTHON
 namespace py = pybind11;
 
+namespace {
+
+// A module function `fn(arg: str) -> str` that sets a process-wide choice by name (names[i] is
+// enum value i) and returns the name of the previous choice.
+template <typename Choice>
+void def_choice(
+    py::module& m, const char* fn, const char* arg, std::vector<std::string> names,
+    Choice (*set)(Choice), const char* doc) {
+  m.def(
+      fn,
+      [fn, arg, names, set](const std::string& name) {
+        int choice = -1;
+        std::string listed;
+        for (size_t i = 0; i < names.size(); ++i) {
+          if (name == names[i]) choice = static_cast<int>(i);
+          listed += (i == 0 ? "'" : i + 1 == names.size() ? " or '" : ", '") + names[i] + "'";
+        }
+        TORCH_CHECK(choice >= 0, "detops.", fn, ": ", arg, " must be ", listed, ", got '", name, "'");
+        const Choice previous = set(static_cast<Choice>(choice));
+        return names[static_cast<size_t>(previous)];
+      },
+      doc, py::arg(arg));
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "detops compiled ops (maskrcnn-benchmark style entries over the dispatcher ops)";
   m.def("nms", &detops::ops::nms, "NMS: kept indices by decreasing score", py::arg("dets"),
@@ -216,40 +243,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("spatial_scale"), py::arg("pooled_height"), py::arg("pooled_width"),
       py::arg("batch_size"), py::arg("channels"), py::arg("height"), py::arg("width"));
   m.def("with_cuda", &detops::ops::with_cuda, "whether CUDA kernels were compiled in");
-  m.def(
-      "_set_roi_kernel",
-      [](const std::string& name) {
-        using detops::ops::RoIKernel;
-        const char* names[] = {"auto", "band", "gather"};
-        int choice = -1;
-        for (int i = 0; i < 3; ++i) {
-          if (name == names[i]) choice = i;
-        }
-        TORCH_CHECK(choice >= 0, "detops._set_roi_kernel: kernel must be 'auto', 'band' or 'gather', got '",
-                    name, "'");
-        const RoIKernel previous = detops::ops::set_roi_kernel(static_cast<RoIKernel>(choice));
-        return std::string(names[static_cast<int>(previous)]);
-      },
+  def_choice<detops::ops::RoIKernel>(
+      m, "_set_roi_kernel", "kernel", {"auto", "band", "gather"}, &detops::ops::set_roi_kernel,
       "choose the CUDA roi_align / roi_pool kernels for NCHW input ('auto', 'band', 'gather'); "
-      "returns the previous choice",
-      py::arg("kernel"));
-  m.def(
-      "_set_cpu_vector",
-      [](const std::string& name) {
-        using detops::ops::CpuVector;
-        const char* names[] = {"auto", "sse2", "scalar"};
-        int choice = -1;
-        for (int i = 0; i < 3; ++i) {
-          if (name == names[i]) choice = i;
-        }
-        TORCH_CHECK(choice >= 0, "detops._set_cpu_vector: choice must be 'auto', 'sse2' or 'scalar', got '",
-                    name, "'");
-        const CpuVector previous = detops::ops::set_cpu_vector(static_cast<CpuVector>(choice));
-        return std::string(names[static_cast<int>(previous)]);
-      },
+      "returns the previous choice");
+  def_choice<detops::ops::CpuVector>(
+      m, "_set_cpu_vector", "choice", {"auto", "sse2", "scalar"}, &detops::ops::set_cpu_vector,
       "choose the instructions of the CPU roi_pool forward ('auto', 'sse2', 'scalar'); returns "
-      "the previous choice",
-      py::arg("choice"));
+      "the previous choice");
   m.def("torch_version", []() { return std::string(DETOPS_TORCH_VERSION); },
         "the torch version this extension was built against");
 }
