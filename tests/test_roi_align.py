@@ -745,3 +745,31 @@ def test_cuda_band_kernels_images_without_rois_and_empty_bins():
     with roi_kernel("gather"):
         ref = roi_align(x.detach(), rois, (7, 7), 1.0, 2, True)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_backward_writes_every_element(dtype, threads):
+    # grad_input is allocated uninitialized and written whole by the kernel's tasks: a freed
+    # tensor of the same size full of junk is handed out again by the allocator, so an element
+    # left unwritten would show (image 1 has no RoIs, its planes must come back zero)
+    g = torch.Generator().manual_seed(5)
+    rois = torch.cat([torch.randint(0, 3, (30, 1), generator=g).float(), torch.rand(30, 2, generator=g) * 30,
+                      30 + torch.rand(30, 2, generator=g) * 30], 1)
+    rois[:, 0] = torch.where(rois[:, 0] == 1, 2.0, rois[:, 0])
+    rois = rois.to(dtype)
+    grad = torch.randn(30, 6, 3, 3, generator=g).to(dtype)
+    args = (rois, 0.5, 3, 3, 3, 6, 40, 36, 2, True)
+    want = torch.ops.detops._roi_align_backward(grad.double(), rois.double(), *args[1:]).to(dtype)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):
+            junk = torch.full((3, 6, 40, 36), 1234.0, dtype=torch.float32 if dtype != torch.float64 else dtype)
+            del junk
+            got = torch.ops.detops._roi_align_backward(grad, *args)
+            tol = {torch.float16: 1e-3, torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+            assert got[1].abs().max() == 0
+    finally:
+        torch.set_num_threads(prev)

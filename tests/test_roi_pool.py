@@ -763,3 +763,28 @@ def test_cuda_band_kernels_run_when_chosen():
         assert "band_backward" not in kernels("band", x, dense)
     finally:
         torch.use_deterministic_algorithms(prev)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_backward_writes_every_element(dtype, threads):
+    # grad_input is allocated uninitialized and written whole by the kernel's tasks: a freed
+    # tensor of the same size full of junk is handed out again by the allocator, so an element
+    # left unwritten would show (image 1 has no RoIs, its planes must come back zero)
+    x = distinct_input((3, 5, 12, 14), dtype=dtype)
+    rois = random_rois(40, 3, 12, 14, 0.5, seed=7, dtype=dtype)
+    rois[:, 0] = torch.where(rois[:, 0] == 1, 2.0, rois[:, 0]).to(dtype)
+    g = _integer_grad((40, 5, 3, 4), dtype, seed=8)
+    _, arg = op(x, rois, 0.5, 3, 4)
+    want = ref.roi_pool_backward(g.double(), rois.double(), arg, 3, 5, 12, 14).to(dtype)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):
+            junk = torch.full((3, 5, 12, 14), 1234.0, dtype=dtype)
+            del junk
+            got = op_bwd(g, rois, arg, 0.5, 3, 4, 3, 5, 12, 14)
+            assert torch.equal(got, want)
+            assert got[1].abs().max() == 0
+    finally:
+        torch.set_num_threads(prev)

@@ -75,6 +75,10 @@ T collect_samples(
   return r.count;
 }
 
+// The backward shares the sample tables of all RoIs between its tasks up to this many bytes
+// (an adaptive sampling grid on large RoIs can make the tables larger than the map).
+constexpr double kSharedTableBytes = 256.0 * (1 << 20);
+
 // rois as a contiguous [K, 5] tensor of the accumulation type, every batch index checked.
 template <typename acc_t>
 at::Tensor checked_rois(const char* op, const at::Tensor& rois, int64_t batch_size) {
@@ -241,25 +245,60 @@ void backward_typed(
     for (int64_t k = 0; k < num_rois; ++k) order[fill[static_cast<int64_t>(roi_ptr[k * 5])]++] = k;
   }
 
+  // The sample tables of all RoIs, built once in parallel and shared by every plane of their
+  // image, when they fit in kSharedTableBytes; otherwise each task builds the tables it needs.
+  struct Table {
+    std::vector<PlaneSample<acc_t>> samples;
+    std::vector<int64_t> bin_start;
+    acc_t count = acc_t(1);
+  };
+  double table_bytes = 0;
+  for (int64_t k = 0; k < num_rois; ++k) {
+    const acc_t* roi = roi_ptr + k * 5;
+    const roi_align::RoIBins<acc_t> r = roi_align::roi_bins<acc_t>(
+        roi[1], roi[2], roi[3], roi[4], scale, pooled_height, pooled_width, sampling_ratio, aligned);
+    table_bytes += static_cast<double>(r.grid_h) * r.grid_w * bins * sizeof(PlaneSample<acc_t>);
+  }
+  const bool shared_tables = table_bytes <= static_cast<double>(kSharedTableBytes);
+  std::vector<Table> tables(shared_tables ? num_rois : 0);
+  if (shared_tables) {
+    at::parallel_for(0, num_rois, 1, [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k) {
+        tables[k].count = collect_samples(
+            roi_ptr + k * 5, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
+            width, tables[k].samples, tables[k].bin_start);
+      }
+    });
+  }
+
   // A few chunks of equal work per thread. Which task adds into a plane never changes the
-  // order of the additions, so the chunking does not affect the result.
+  // order of the additions, so the chunking does not affect the result. Each task zeroes its
+  // planes first (grad_input comes uninitialized), while they are about to be written.
   const int64_t planes = batch * channels;
   const int64_t chunks =
       std::max<int64_t>(1, std::min<int64_t>(planes, int64_t{at::get_num_threads()} * 4));
   const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
 
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    std::vector<PlaneSample<acc_t>> samples;
-    std::vector<int64_t> bin_start;
+    Table own;
     const int64_t begin = bounds[chunk_begin], end = bounds[chunk_end];
+    std::fill(gi + begin * plane, gi + end * plane, acc_t(0));
     for (int64_t b = begin / channels; b * channels < end; ++b) {
       const int64_t c_begin = std::max(begin, b * channels) - b * channels;
       const int64_t c_end = std::min(end, (b + 1) * channels) - b * channels;
       for (int64_t r = first[b]; r < first[b + 1]; ++r) {
         const int64_t k = order[r];
-        const acc_t count = collect_samples(
-            roi_ptr + k * 5, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
-            width, samples, bin_start);
+        const Table* t = &own;
+        if (shared_tables) {
+          t = &tables[k];
+        } else {
+          own.count = collect_samples(
+              roi_ptr + k * 5, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
+              width, own.samples, own.bin_start);
+        }
+        const std::vector<PlaneSample<acc_t>>& samples = t->samples;
+        const std::vector<int64_t>& bin_start = t->bin_start;
+        const acc_t count = t->count;
         for (int64_t c0 = c_begin; c0 < c_end; c0 += kChannelBlock) {
           const int64_t nc = std::min(kChannelBlock, c_end - c0);
           acc_t* dst[kChannelBlock];
@@ -294,9 +333,12 @@ at::Tensor roi_align_backward_cpu(
       height, width, sampling_ratio);
   checks::check_device(kBackwardOp, "grad", grad, at::kCPU);
   const auto acc_dtype = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  if (batch_size * channels * height * width == 0 || rois.size(0) == 0) {
+    return at::zeros({batch_size, channels, height, width}, grad.options());
+  }
+  // every element is written by the kernel (its task zeroes its planes first)
   at::Tensor grad_input =
-      at::zeros({batch_size, channels, height, width}, grad.options().dtype(acc_dtype));
-  if (grad_input.numel() == 0 || rois.size(0) == 0) return grad_input.to(grad.scalar_type());
+      at::empty({batch_size, channels, height, width}, grad.options().dtype(acc_dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), kBackwardOp, [&] {
     backward_typed<scalar_t>(
         grad, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -319,7 +320,7 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(
 }
 
 template <typename scalar_t>
-void roi_pool_backward_typed(
+bool roi_pool_backward_typed(
     const at::Tensor& grad, const std::vector<int64_t>& roi_batch, const at::Tensor& argmax,
     int64_t pooled_height, int64_t pooled_width, at::Tensor& grad_input) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -351,19 +352,26 @@ void roi_pool_backward_typed(
   const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
   constexpr bool kDirect = std::is_same<acc_t, scalar_t>::value;
 
+  // grad_input comes uninitialized: each task writes its planes whole (zeroes, then adds).
+  // An argmax outside [-1, H * W) is never followed; it sets `bad`, and the caller reports it.
+  std::atomic<bool> bad{false};
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<acc_t> buffer(kDirect ? 0 : plane_size);
+    bool task_bad = false;
     for (int64_t p = bounds[chunk_begin]; p < bounds[chunk_end]; ++p) {
       const int64_t b = p / channels, c = p % channels;
-      if (first[b] == first[b + 1]) continue;  // no RoI on this image: stays zero
       scalar_t* dst = gi + p * plane_size;
+      if (first[b] == first[b + 1]) {  // no RoI on this image
+        std::fill(dst, dst + plane_size, scalar_t(0));
+        continue;
+      }
       acc_t* acc;
       if constexpr (kDirect) {
-        acc = dst;  // grad_input starts at zero
+        acc = dst;
       } else {
-        std::fill(buffer.begin(), buffer.end(), acc_t(0));
         acc = buffer.data();
       }
+      std::fill(acc, acc + plane_size, acc_t(0));
       for (int64_t q = first[b]; q < first[b + 1]; ++q) {
         const int64_t k = by_image[q];
         const int32_t* a = arg + (k * channels + c) * bins;
@@ -371,7 +379,11 @@ void roi_pool_backward_typed(
         for (int64_t ph = 0; ph < pooled_height; ++ph) {
           for (int64_t pw = 0; pw < pooled_width; ++pw) {
             const int32_t idx = a[ph * pooled_width + pw];
-            if (idx >= 0) acc[idx] += static_cast<acc_t>(gk[ph * g_h + pw * g_w]);
+            if (idx >= 0 && idx < plane_size) {
+              acc[idx] += static_cast<acc_t>(gk[ph * g_h + pw * g_w]);
+            } else if (idx != -1) {
+              task_bad = true;
+            }
           }
         }
       }
@@ -379,7 +391,9 @@ void roi_pool_backward_typed(
         for (int64_t j = 0; j < plane_size; ++j) dst[j] = static_cast<scalar_t>(acc[j]);
       }
     }
+    if (task_bad) bad.store(true, std::memory_order_relaxed);
   });
+  return !bad.load();
 }
 
 at::Tensor roi_pool_backward_cpu(
@@ -391,24 +405,26 @@ at::Tensor roi_pool_backward_cpu(
       grad, rois_in, argmax_in, spatial_scale, pooled_height, pooled_width, batch_size, channels,
       height, width);
   checks::check_device(op, "grad", grad, at::kCPU);
-  at::Tensor grad_input = at::zeros({batch_size, channels, height, width}, grad.options());
-  if (grad.numel() == 0 || grad_input.numel() == 0) return grad_input;
+  if (grad.numel() == 0 || batch_size * channels * height * width == 0) {
+    return at::zeros({batch_size, channels, height, width}, grad.options());
+  }
   const at::Tensor rois = rois_in.contiguous();
   const at::Tensor argmax = argmax_in.contiguous();
-  {
-    const auto range = at::aminmax(argmax);
-    const int64_t lo = std::get<0>(range).item<int32_t>();
-    const int64_t hi = std::get<1>(range).item<int32_t>();
-    DETOPS_CHECK(
-        lo >= -1 && hi < height * width, op, ": argmax must hold -1 or indices in [0, H * W = ",
-        height * width, "), got values in [", lo, ", ", hi, "]");
-  }
+  at::Tensor grad_input = at::empty({batch_size, channels, height, width}, grad.options());
+  bool argmax_ok = true;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, grad.scalar_type(), "detops.roi_pool_backward", [&] {
     const std::vector<int64_t> roi_batch = batch_indices<scalar_t>(op, rois, batch_size);
-    roi_pool_backward_typed<scalar_t>(
+    argmax_ok = roi_pool_backward_typed<scalar_t>(
         grad, roi_batch, argmax, pooled_height, pooled_width, grad_input);
   });
+  if (!argmax_ok) {  // the range, for the message
+    const auto range = at::aminmax(argmax);
+    DETOPS_CHECK(
+        false, op, ": argmax must hold -1 or indices in [0, H * W = ", height * width,
+        "), got values in [", std::get<0>(range).item<int32_t>(), ", ",
+        std::get<1>(range).item<int32_t>(), "]");
+  }
   return grad_input;
 }
 
