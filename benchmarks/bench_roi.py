@@ -90,7 +90,8 @@ def run(devices: List[str], quick: bool = False) -> List[Row]:
             k = 256 if not quick else 32
             dtypes = [torch.float32]
             sizes = [7]
-        runs = dict(runs=30, warmup=5) if device == "cuda" else dict(runs=5, warmup=1, max_seconds=5)
+        # CPU: up to 20 runs, at most about 5 s a case (torchvision's slow cases take 3-5)
+        runs = dict(runs=30, warmup=5) if device == "cuda" else dict(runs=20, warmup=2, max_seconds=5)
         for dtype in dtypes:
             x, rois = _inputs(device, dtype, *shape, k)
             tv_ok = dtype != torch.bfloat16  # torchvision has no bfloat16 roi_align
