@@ -16,6 +16,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
@@ -179,6 +180,14 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
   for (index_t i = threadIdx.x; i < num_keys; i += blockDim.x) counts[i] = offsets[i];
   __syncthreads();
   for (index_t i = threadIdx.x; i < total; i += blockDim.x) rows[atomicAdd(&counts[keys[i]], index_t(1))] = i;
+}
+
+// The budget for a staged band on the current device: `wanted`, or less where a block may not
+// have `wanted + other_bytes` of shared memory (sm_86 / sm_89 allow 99 KiB, sm_75 64 KiB).
+inline int64_t band_budget(int64_t wanted, int64_t other_bytes) {
+  const int64_t limit =
+      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  return std::min(wanted, limit - other_bytes - 1024);
 }
 
 // Raises a kernel's dynamic shared-memory limit (a host-side attribute of the kernel on the

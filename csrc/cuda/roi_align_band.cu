@@ -52,7 +52,7 @@ using roi_align_cuda::bins_of;
 constexpr int kBandThreads = 512;
 constexpr int kMaxBandGrid = 4;  // sampling ratios the band kernels take
 // Shared memory for a band: two blocks fit on an SM.
-constexpr int64_t kBandBudget = 100 * 1024;
+constexpr int64_t kBandBudget = 100 * 1024;  // less where the device allows less (band_budget)
 
 // A sample row or column as the band kernels read it: one 16-byte load (two for double).
 // lo < 0: the sample reads nothing.
@@ -356,7 +356,7 @@ bool band_applies(
   if (num_rois <= 0 || channels <= 0 || pooled_height > 64 || pooled_width > 64) return false;
   if (height >= (int64_t{1} << 30) || width >= (int64_t{1} << 30)) return false;
   if (num_rois * pooled_height >= (int64_t{1} << 30)) return false;
-  const BandPlan plan = plane_band::plan_bands(height, width, elem_bytes, kBandBudget);
+  const BandPlan plan = plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(kBandBudget, 0));
   if (!plan.ok || batch * plan.bands >= (int64_t{1} << 30)) return false;
   if (choice == RoIKernel::kBand) return true;
   // pixels read by all samples of one channel (four per sample), against the pixels it holds
@@ -373,7 +373,7 @@ BandSetup setup_bands(
     int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned,
     double spatial_scale, int64_t elem_bytes, cudaStream_t stream) {
   BandSetup s;
-  s.plan = plane_band::plan_bands(height, width, elem_bytes, kBandBudget);
+  s.plan = plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(kBandBudget, 0));
   const int64_t num_rois = rois.size(0);
   const int64_t per = (pooled_height + pooled_width) * sampling_ratio;
   s.rows_total = num_rois * pooled_height;
@@ -441,7 +441,7 @@ bool roi_align_forward_band(
         aligned, spatial_scale, input.element_size(), stream);
     with_grid(sampling_ratio, [&](auto g) {
       auto kernel = roi_align_band_forward_kernel<scalar_t, acc_t, decltype(g)::value>;
-      plane_band::allow_smem(kernel, kBandBudget);
+      plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
       kernel<<<s.grid, kBandThreads, s.smem, stream>>>(
           input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape,
           static_cast<acc_t>(sampling_ratio * sampling_ratio), s.plan, output.data_ptr<scalar_t>());
@@ -474,7 +474,7 @@ bool roi_align_backward_band(
     const acc_t count = static_cast<acc_t>(sampling_ratio * sampling_ratio);
     with_grid(sampling_ratio, [&](auto gc) {
       auto kernel = roi_align_band_backward_kernel<scalar_t, acc_t, decltype(gc)::value>;
-      plane_band::allow_smem(kernel, kBandBudget);
+      plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
       kernel<<<s.grid, kBandThreads, s.smem, stream>>>(
           g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, count,
           s.plan, grad_input.data_ptr<acc_t>());

@@ -51,6 +51,9 @@ constexpr int64_t kPoolBandBudget = 64 * 1024;  // bytes of a staged band: two b
 constexpr int kListCapacity = 1024;  // forward: bin rows whose geometry a block holds at once
 constexpr int kRowCapacity = 8192;   // backward: bin-row ids a block holds in shared memory
 constexpr unsigned kFullMask = 0xffffffffu;
+// Shared memory a block holds beside the band: the forward's bin-row list (PoolRow<double> is
+// 32 bytes) or the backward's row ids, whichever is larger, plus alignment.
+constexpr int64_t kPoolListBytes = std::max<int64_t>(kListCapacity * 32, kRowCapacity * 4) + 16;
 
 // One bin row (k, ph) of a block's list, as the forward reads it.
 template <typename acc_t>
@@ -366,7 +369,7 @@ bool pool_band_applies(
   if (choice == RoIKernel::kGather || !input_nchw) return false;
   if (num_rois <= 0 || channels <= 0 || height <= 0 || width <= 0) return false;
   if (height * width >= (int64_t{1} << 31) || num_rois * pooled_height >= (int64_t{1} << 30)) return false;
-  const BandPlan plan = plane_band::plan_bands(height, width, elem_bytes, kPoolBandBudget);
+  const BandPlan plan = plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(kPoolBandBudget, kPoolListBytes));
   if (!plan.ok || batch * plan.bands >= (int64_t{1} << 30)) return false;
   if (choice == RoIKernel::kBand) return true;
   const double bins = static_cast<double>(num_rois) * pooled_height * pooled_width;
@@ -396,7 +399,7 @@ PoolSetup setup_pool_bands(
     cudaStream_t stream) {
   using acc_t = at::opmath_type<scalar_t>;
   PoolSetup s;
-  s.plan = plane_band::plan_bands(height, width, elem_bytes, kPoolBandBudget);
+  s.plan = plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(kPoolBandBudget, kPoolListBytes));
   s.rows_total = rois.size(0) * pooled_height;
   s.num_keys = batch * s.plan.bands + 1;  // the last: RoIs with an invalid batch index
   s.index = at::empty({3 * s.rows_total + 2 * (s.num_keys + 1) + 1}, rois.options().dtype(at::kInt));
