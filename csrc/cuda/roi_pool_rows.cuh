@@ -1,5 +1,6 @@
-// Pieces shared by the RoIPool CUDA kernels that split a bin row among the lanes of a warp
-// (roi_pool.cu's rows kernel and roi_pool_band.cu's band kernels).
+// Pieces of the RoIPool CUDA kernels that split bins among the lanes of a warp: the tie rule
+// that combines partial maxima (roi_pool.cu's rows kernel and roi_pool_band.cu's band forward)
+// and the rows kernel's lanes-per-bin choice.
 #pragma once
 
 #include <cstdint>
