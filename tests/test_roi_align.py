@@ -773,3 +773,16 @@ def test_cpu_backward_writes_every_element(dtype, threads):
             assert got[1].abs().max() == 0
     finally:
         torch.set_num_threads(prev)
+
+
+def test_cpu_backward_huge_adaptive_grid_matches_torchvision():
+    # a 1200-pixel RoI with an adaptive grid has 172 x 172 samples per bin: its sample table
+    # (about 70 MB) is past the size the backward shares between tasks, so each task builds the
+    # tables it needs; the result is the same
+    x = torch.randn(1, 2, 16, 16, dtype=torch.float64, requires_grad=True)
+    rois = torch.tensor([[0.0, -600.0, -590.0, 600.0, 610.0], [0.0, 1.0, 2.0, 13.0, 11.0]], dtype=torch.float64)
+    grad = torch.randn(2, 2, 7, 7, dtype=torch.float64)
+    roi_align(x, rois, 7, 1.0, 0, True).backward(grad)
+    xt = x.detach().clone().requires_grad_()
+    torchvision.ops.roi_align(xt, rois, 7, 1.0, 0, True).backward(grad)
+    torch.testing.assert_close(x.grad, xt.grad, rtol=1e-10, atol=1e-12)

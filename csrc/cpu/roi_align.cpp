@@ -77,7 +77,7 @@ T collect_samples(
 
 // The backward shares the sample tables of all RoIs between its tasks up to this many bytes
 // (an adaptive sampling grid on large RoIs can make the tables larger than the map).
-constexpr double kSharedTableBytes = 256.0 * (1 << 20);
+constexpr double kSharedTableBytes = 64.0 * (1 << 20);
 
 // rois as a contiguous [K, 5] tensor of the accumulation type, every batch index checked.
 template <typename acc_t>
