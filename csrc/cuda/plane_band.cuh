@@ -145,8 +145,10 @@ void zero_shared_rows(T* data, int64_t planes, int64_t height, int64_t width, co
 
 // Groups bin rows by owner in one block (a counting sort; the order within an owner does not
 // matter to the kernels): owner `key`'s rows are rows[offsets[key] .. offsets[key + 1]).
-// counts: num_keys + 1 ints of scratch. Launch with kGroupThreads threads.
+// counts: num_keys + 1 ints of scratch, used only when the counts do not fit in shared memory.
+// Launch with kGroupThreads threads.
 constexpr int kGroupThreads = 1024;
+constexpr int kGroupSharedKeys = 4096;
 
 template <typename index_t>
 __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
@@ -154,16 +156,18 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
     index_t* __restrict__ offsets, index_t* __restrict__ rows) {
   __shared__ index_t carry;
   __shared__ index_t part[kGroupThreads];
-  for (index_t i = threadIdx.x; i <= num_keys; i += blockDim.x) counts[i] = 0;
+  __shared__ index_t local[kGroupSharedKeys];
+  index_t* cnt = num_keys < kGroupSharedKeys ? local : counts;
+  for (index_t i = threadIdx.x; i <= num_keys; i += blockDim.x) cnt[i] = 0;
   __syncthreads();
-  for (index_t i = threadIdx.x; i < total; i += blockDim.x) atomicAdd(&counts[keys[i]], index_t(1));
+  for (index_t i = threadIdx.x; i < total; i += blockDim.x) atomicAdd(&cnt[keys[i]], index_t(1));
   __syncthreads();
-  // exclusive scan of counts into offsets, a block-wide pass per blockDim keys
+  // exclusive scan of the counts into offsets, a block-wide pass per blockDim keys
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
   for (index_t base = 0; base <= num_keys; base += blockDim.x) {
     const index_t i = base + threadIdx.x;
-    const index_t v = i < num_keys ? counts[i] : 0;
+    const index_t v = i < num_keys ? cnt[i] : 0;
     part[threadIdx.x] = v;
     __syncthreads();
     for (int off = 1; off < static_cast<int>(blockDim.x); off *= 2) {
@@ -172,14 +176,16 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
       part[threadIdx.x] += add;
       __syncthreads();
     }
-    if (i <= num_keys) offsets[i] = carry + part[threadIdx.x] - v;
+    if (i <= num_keys) {
+      const index_t o = carry + part[threadIdx.x] - v;
+      offsets[i] = o;
+      if (i < num_keys) cnt[i] = o;  // the next free slot of owner i
+    }
     __syncthreads();
     if (threadIdx.x == blockDim.x - 1) carry += part[threadIdx.x];
     __syncthreads();
   }
-  for (index_t i = threadIdx.x; i < num_keys; i += blockDim.x) counts[i] = offsets[i];
-  __syncthreads();
-  for (index_t i = threadIdx.x; i < total; i += blockDim.x) rows[atomicAdd(&counts[keys[i]], index_t(1))] = i;
+  for (index_t i = threadIdx.x; i < total; i += blockDim.x) rows[atomicAdd(&cnt[keys[i]], index_t(1))] = i;
 }
 
 // The budget for a staged band on the current device: `wanted`, or less where a block may not
