@@ -3,6 +3,10 @@
     python -m benchmarks.profile_roi            # torch.profiler: the kernels of each call
     ncu --clock-control none -k regex:'band|roi_pool|roi_align' \
         --section SpeedOfLight --section Occupancy python -m benchmarks.profile_roi --once
+    # the band forward kernel per dtype and output size, one call each:
+    ncu --clock-control none -k regex:roi_align_band_forward \
+        --metrics gpu__time_duration.sum,smsp__inst_executed.sum \
+        python -m benchmarks.profile_roi --once --only-forward --dtypes fp32,bf16,fp16 --sizes 7,14
 """
 import argparse
 
@@ -14,9 +18,25 @@ from detops.ops._utils import roi_kernel
 from detops.testing import random_rois
 
 
-def cases():
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def forward_cases(x, rois, dtypes, sizes):
+    """roi_align forward through the band kernel, per dtype and output size."""
+    out = {}
+    for dname in dtypes:
+        xd, rd = x.to(DTYPES[dname]), rois.to(DTYPES[dname])
+        for size in sizes:
+            out[f"roi_align fwd, band, {dname}, {size}x{size}"] = (
+                "band", lambda xd=xd, rd=rd, size=size: detops.ops.roi_align(xd, rd, size, 0.25, 2, True))
+    return out
+
+
+def cases(only_forward=False, dtypes=("fp32",), sizes=(7,)):
     x = torch.randn(2, 256, 200, 304, device="cuda")
     rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
+    if only_forward:
+        return forward_cases(x, rois, dtypes, sizes)
     grad = torch.randn(1024, 256, 7, 7, device="cuda")
     xg = x.clone().requires_grad_()
 
@@ -41,8 +61,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--once", action="store_true", help="one call of each case (for ncu)")
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--only-forward", action="store_true", help="only roi_align forward (band kernel) per dtype and size")
+    p.add_argument("--dtypes", default="fp32", help="with --only-forward: fp32,bf16,fp16")
+    p.add_argument("--sizes", default="7", help="with --only-forward: output sizes, e.g. 7,14")
     a = p.parse_args()
-    for name, (kernel, fn) in cases().items():
+    sizes = tuple(int(v) for v in a.sizes.split(","))
+    for name, (kernel, fn) in cases(a.only_forward, tuple(a.dtypes.split(",")), sizes).items():
         with roi_kernel(kernel):
             if a.once:
                 fn()
