@@ -12,7 +12,7 @@ import torch
 import torchvision
 
 import detops
-from benchmarks.timing import HEADER, Row, compare, format_ms, format_row, median_ms
+from benchmarks.timing import HEADER, Row, compare, cpu_cores, format_ms, format_row, median_ms
 from detops.testing import random_rois
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -39,10 +39,20 @@ def _check_close(ours, tv_fn, x, rois, dtype):
     torch.testing.assert_close(ours.float(), tv_fn(x.float(), rois.float()), rtol=tol, atol=tol)
 
 
-def _cpu_threads(x, rois, grad, size, runs) -> List[Row]:
-    """CPU rows at one thread (torchvision's CPU kernels use one), then detops' scaling: its
-    one-thread time over its N-thread time, N = torch.get_num_threads(); the target is 0.7 * N."""
+def default_thread_counts() -> List[int]:
+    """The thread counts whose scaling the CPU rows report: torch's thread count, and the
+    number of physical cores where that is fewer."""
     n = torch.get_num_threads()
+    physical = cpu_cores()[1]
+    return sorted({n} | ({physical} if physical and 1 < physical < n else set()))
+
+
+def _cpu_threads(x, rois, grad, size, runs, threads=None) -> List[Row]:
+    """CPU rows at one thread (torchvision's CPU kernels use one), then detops' scaling: its
+    one-thread time over its N-thread time for each N in `threads` (default_thread_counts());
+    the target is 0.7 * N."""
+    n = torch.get_num_threads()
+    threads = [t for t in (threads or default_thread_counts()) if t > 1]
     shape = "x".join(str(s) for s in x.shape)
     tag = f"{shape}, {rois.size(0)} RoIs, {size}x{size}, fp32"
     ops = {
@@ -59,25 +69,39 @@ def _cpu_threads(x, rois, grad, size, runs) -> List[Row]:
     for name, (ours, theirs) in ops.items():
         cases.append((f"{name} fwd", lambda o=ours: o(x, rois), lambda t=theirs: t(x, rois)))
         cases.append((f"{name} fwd+bwd", lambda o=ours: _fwd_bwd(o, x, rois, grad), lambda t=theirs: _fwd_bwd(t, x, rois, grad)))
+    # What the machine itself gives: an element-wise torch op (at::parallel_for over equal
+    # chunks, no shared data), timed the same way; its scaling bounds what any kernel can show.
+    ref_in = torch.randn(x.numel() // 4 * 8)
+    ref_out = torch.empty_like(ref_in)
+    cases.append((f"reference: torch.sin on {ref_in.numel() / 1e6:.1f}M fp32 (torch's own kernel)",
+                  lambda: torch.sin(ref_in, out=ref_out), None))
     rows: List[Row] = []
     try:
         torch.set_num_threads(1)
         one = []
         for case, ours, theirs in cases:
-            rows.append(compare(f"{case}, 1 thread, {tag}", "cpu", ours, theirs, **runs))
+            label = f"{case}, 1 thread" if theirs is None else f"{case}, 1 thread, {tag}"
+            rows.append(compare(label, "cpu", ours, theirs, **runs))
             one.append(rows[-1].detops_ms)
     finally:
         torch.set_num_threads(n)
-    for (case, ours, _), t1 in zip(cases, one):
-        tn = median_ms(ours, "cpu", **{**runs, "warmup": 5})  # thread pool back to N threads
-        note = f"scaling {t1 / tn:.2f}x = {format_ms(t1)} / {format_ms(tn)} (target {0.7 * n:.1f}x)"
-        row = Row(f"{case}, detops 1 vs {n} threads, {tag}", "cpu", tn, None, note=note)
-        print(format_row(row), flush=True)
-        rows.append(row)
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            for (case, ours, _), t1 in zip(cases, one):
+                tn = median_ms(ours, "cpu", **{**runs, "warmup": 5})  # warm-up: the pool resizes
+                note = f"scaling {t1 / tn:.2f}x = {format_ms(t1)} / {format_ms(tn)} (target {0.7 * t:.1f}x)"
+                reference = case.startswith("reference")
+                label = f"{case}, 1 vs {t} threads" if reference else f"{case}, detops 1 vs {t} threads, {tag}"
+                row = Row(label, "cpu", tn, None, note=note)
+                print(format_row(row), flush=True)
+                rows.append(row)
+    finally:
+        torch.set_num_threads(n)
     return rows
 
 
-def run(devices: List[str], quick: bool = False) -> List[Row]:
+def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> List[Row]:
     rows: List[Row] = []
     for device in devices:
         if device == "cuda":
@@ -157,7 +181,7 @@ def run(devices: List[str], quick: bool = False) -> List[Row]:
                     finally:
                         torch.use_deterministic_algorithms(False)
                 if device == "cpu":
-                    rows += _cpu_threads(x, rois, grad, size, runs)
+                    rows += _cpu_threads(x, rois, grad, size, runs, threads)
     return rows
 
 
@@ -165,8 +189,12 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", help="CPU thread counts to report scaling for, e.g. 2,4,8,16 "
+                   "(default: torch's thread count and the physical core count)")
     a = p.parse_args()
     devs = ["cpu", "cuda"] if a.device == "all" else [a.device]
     devs = [d for d in devs if d == "cpu" or torch.cuda.is_available()]
+    logical, physical = cpu_cores()
+    print(f"CPU: {logical} logical CPUs, {physical or 'unknown'} physical cores, torch threads {torch.get_num_threads()}")
     print(HEADER)
-    run(devs, quick=a.quick)
+    run(devs, quick=a.quick, threads=[int(t) for t in a.threads.split(",")] if a.threads else None)

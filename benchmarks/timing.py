@@ -5,6 +5,7 @@ reports the median of many runs and the ratio torchvision / detops (> 1: detops 
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -80,6 +81,27 @@ def format_row(row: Row) -> str:
 HEADER = "| case | device | torchvision | detops | speedup (tv / detops) |\n|---|---|---|---|---|"
 
 
+def cpu_cores() -> tuple:
+    """(logical CPUs, physical cores) this process may run on; physical is None where
+    /proc/cpuinfo does not say (two logical CPUs of one core share its execution units)."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores, cpu, phys = set(), None, "0"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "processor":
+                    cpu, phys = int(value), "0"
+                elif key == "physical id":
+                    phys = value
+                elif key == "core id" and cpu in allowed:
+                    cores.add((phys, value))
+    except OSError:
+        pass
+    return len(allowed), (len(cores) or None)
+
+
 def environment() -> str:
     import platform
 
@@ -98,5 +120,13 @@ def environment() -> str:
             lines.append(f"- driver {drv}")
         except OSError:
             pass
+    logical, physical = cpu_cores()
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), model)
+    except OSError:
+        pass
+    lines.append(f"- CPU: {model}, {logical} logical CPUs, {physical or 'unknown'} physical cores")
     lines.append(f"- CPU threads used by CPU cases: {torch.get_num_threads()}")
     return "\n".join(lines)
