@@ -145,15 +145,18 @@ void zero_shared_rows(T* data, int64_t planes, int64_t height, int64_t width, co
 
 // Groups bin rows by owner in one block (a counting sort; the order within an owner does not
 // matter to the kernels): owner `key`'s rows are rows[offsets[key] .. offsets[key + 1]).
+// Bin row i = k * row_div + r is listed as i, or, with row_div > 0 (at most 64), as
+// (k << kRowShift) | r, so that kernels need no division to find the RoI.
 // counts: num_keys + 1 ints of scratch, used only when the counts do not fit in shared memory.
 // Launch with kGroupThreads threads.
 constexpr int kGroupThreads = 1024;
 constexpr int kGroupSharedKeys = 4096;
+constexpr int kRowShift = 6;
 
 template <typename index_t>
 __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
     const index_t* __restrict__ keys, index_t total, index_t num_keys, index_t* __restrict__ counts,
-    index_t* __restrict__ offsets, index_t* __restrict__ rows) {
+    index_t* __restrict__ offsets, index_t* __restrict__ rows, index_t row_div = 0) {
   __shared__ index_t carry;
   __shared__ index_t part[kGroupThreads];
   __shared__ index_t local[kGroupSharedKeys];
@@ -185,7 +188,10 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
     if (threadIdx.x == blockDim.x - 1) carry += part[threadIdx.x];
     __syncthreads();
   }
-  for (index_t i = threadIdx.x; i < total; i += blockDim.x) rows[atomicAdd(&cnt[keys[i]], index_t(1))] = i;
+  for (index_t i = threadIdx.x; i < total; i += blockDim.x) {
+    const index_t listed = row_div > 0 ? ((i / row_div) << kRowShift) | (i % row_div) : i;
+    rows[atomicAdd(&cnt[keys[i]], index_t(1))] = listed;
+  }
 }
 
 // The budget for a staged band on the current device: `wanted`, or less where a block may not

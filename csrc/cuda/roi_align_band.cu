@@ -116,7 +116,8 @@ struct BandShape {
   int channels_per_block;
 };
 
-// Bin row `row` = k * PH + ph of a block's list: its RoI, ph, and the RoI's taps.
+// A block's list entry (k << kRowShift) | ph (group_by_owner_kernel): its RoI, ph, and the
+// RoI's taps.
 template <typename acc_t>
 struct BinRow {
   int64_t k;
@@ -126,11 +127,29 @@ struct BinRow {
 
 template <typename acc_t, int G>
 __device__ __forceinline__ BinRow<acc_t> bin_row(
-    int32_t row, const BandShape& sh, const BandTap<acc_t>* __restrict__ taps) {
-  const int32_t k = row / sh.pooled_height;
-  return BinRow<acc_t>{k, static_cast<int>(row - k * sh.pooled_height),
+    int32_t listed, const BandShape& sh, const BandTap<acc_t>* __restrict__ taps) {
+  const int32_t k = listed >> plane_band::kRowShift;
+  return BinRow<acc_t>{k, static_cast<int>(listed & ((1 << plane_band::kRowShift) - 1)),
                        taps + static_cast<int64_t>(k) * (sh.pooled_height + sh.pooled_width) * G};
 }
+
+// Walks items e * pw_n + pw of a block's list, blockDim.x apart, without a division per item.
+struct ListWalk {
+  int e, pw, step_e, step_pw;
+  __device__ __forceinline__ explicit ListWalk(int pw_n)
+      : e(static_cast<int>(threadIdx.x) / pw_n),
+        pw(static_cast<int>(threadIdx.x) - e * pw_n),
+        step_e(static_cast<int>(blockDim.x) / pw_n),
+        step_pw(static_cast<int>(blockDim.x) - step_e * pw_n) {}
+  __device__ __forceinline__ void next(int pw_n) {
+    e += step_e;
+    pw += step_pw;
+    if (pw >= pw_n) {
+      pw -= pw_n;
+      ++e;
+    }
+  }
+};
 
 template <typename scalar_t, typename acc_t, int G>
 __global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
@@ -156,9 +175,9 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
     if (ci > 0) __syncthreads();  // the previous channel's band is no longer read
     plane_band::stage_rows(plane, sh.width, plan, window, band);
     __syncthreads();
-    for (int i = threadIdx.x; i < n * pw_n; i += blockDim.x) {
-      const int e = i / pw_n, pw = i - e * pw_n;
-      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + e], sh, taps);
+    for (ListWalk w(pw_n); w.e < n; w.next(pw_n)) {
+      const int pw = w.pw;
+      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + w.e], sh, taps);
       BandTap<acc_t> ty[G], tx[G];
 #pragma unroll
       for (int q = 0; q < G; ++q) {
@@ -217,9 +236,9 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
     if (ci > 0) __syncthreads();  // the previous channel's band is written out
     for (int i = threadIdx.x; i < staged; i += blockDim.x) band[i] = acc_t(0);
     __syncthreads();
-    for (int i = threadIdx.x; i < n * pw_n; i += blockDim.x) {
-      const int e = i / pw_n, pw = i - e * pw_n;
-      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + e], sh, taps);
+    for (ListWalk w(pw_n); w.e < n; w.next(pw_n)) {
+      const int pw = w.pw;
+      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + w.e], sh, taps);
       const acc_t go = static_cast<acc_t>(grad[(br.k * sh.channels + c) * bins + br.ph * pw_n + pw]);
       if (go == acc_t(0)) continue;
       const acc_t gv = go / count;
@@ -356,6 +375,8 @@ bool band_applies(
   if (num_rois <= 0 || channels <= 0 || pooled_height > 64 || pooled_width > 64) return false;
   if (height >= (int64_t{1} << 30) || width >= (int64_t{1} << 30)) return false;
   if (num_rois * pooled_height >= (int64_t{1} << 30)) return false;
+  // list entries (k << kRowShift) | ph fit in int32
+  if (num_rois >= (int64_t{1} << (31 - plane_band::kRowShift))) return false;
   const BandPlan plan = plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(kBandBudget, 0));
   if (!plan.ok || batch * plan.bands >= (int64_t{1} << 30)) return false;
   if (choice == RoIKernel::kBand) return true;
@@ -395,7 +416,7 @@ BandSetup setup_bands(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   plane_band::group_by_owner_kernel<int32_t><<<1, plane_band::kGroupThreads, 0, stream>>>(
       keys, static_cast<int32_t>(s.rows_total), static_cast<int32_t>(s.num_keys), counts, offsets,
-      rows);
+      rows, static_cast<int32_t>(pooled_height));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Channel groups: about four blocks per block slot of the GPU, so that a slow block (a band
   // with many bin rows) does not leave the GPU idle at the end.
