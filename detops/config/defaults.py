@@ -34,6 +34,15 @@ _C.MODEL.BACKBONE = CN()
 _C.MODEL.BACKBONE.CONV_BODY = "R-50-FPN"
 # Stages up to and including this one are frozen: 0 none, 1 the stem, 2 stem + res2, ...
 _C.MODEL.BACKBONE.FREEZE_CONV_BODY_AT = 2
+# CUDA graphs of the backbone's training forward and backward (detops.modeling.cuda_graph):
+# after CUDA_GRAPH_AFTER consecutive training iterations with one padded input shape, that
+# shape's forward and backward are captured and replayed as one launch each, which frees the
+# host to issue the heads' work while the GPU runs the backbone. Losses and gradients are
+# bitwise those of eager mode. CUDA_GRAPHS is the number of input shapes given graphs (each
+# keeps its activations in its own memory pool); 0 turns them off. Other shapes, inference,
+# autocast, module hooks and BatchNorm with running statistics run eagerly.
+_C.MODEL.BACKBONE.CUDA_GRAPHS = 1
+_C.MODEL.BACKBONE.CUDA_GRAPH_AFTER = 3
 
 _C.MODEL.RESNETS = CN()
 _C.MODEL.RESNETS.NUM_GROUPS = 1

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from ...structures import BoxList
 from ..backbone import build_backbone
+from ..cuda_graph import GraphedTraining
 from ..registry import META_ARCH_REGISTRY
 from ..roi_heads import build_roi_heads
 from ..rpn import build_rpn
@@ -37,6 +38,9 @@ class GeneralizedRCNN(nn.Module):
     convolutions in channels_last: the first such forward converts the 4-d weights in place,
     the FPN levels come out channels_last and the RoI poolers read them without a copy.
     Otherwise the weights are kept (or put back) in the contiguous layout.
+
+    On CUDA, training iterations with a repeating input shape run the backbone through CUDA
+    graphs (MODEL.BACKBONE.CUDA_GRAPHS, `backbone_graphs`), with the same losses and gradients.
     """
 
     def __init__(self, cfg):
@@ -51,6 +55,8 @@ class GeneralizedRCNN(nn.Module):
             raise ValueError(
                 f"GeneralizedRCNN: MODEL.MEMORY_FORMAT must be one of {MEMORY_FORMATS}, got {cfg.MODEL.MEMORY_FORMAT!r}")
         self.memory_format = cfg.MODEL.MEMORY_FORMAT
+        b = cfg.MODEL.BACKBONE
+        self.backbone_graphs = GraphedTraining(max_graphs=b.CUDA_GRAPHS, after=b.CUDA_GRAPH_AFTER)
 
     def channels_last(self, device: torch.device) -> bool:
         """Whether the convolutions run in channels_last on `device` (MODEL.MEMORY_FORMAT)."""
@@ -82,7 +88,7 @@ class GeneralizedRCNN(nn.Module):
             x = x.contiguous(memory_format=torch.channels_last)
         else:
             self._convert_weights(torch.contiguous_format)
-        features = self.backbone(x)
+        features = self.backbone_graphs(self.backbone, x)
         proposals, losses = self.rpn(image_list, features, boxlists)
         if self.roi_heads is None:
             detections = proposals

@@ -1,0 +1,278 @@
+"""GraphedTraining: CUDA graphs of a training forward and backward give eager mode's values, and
+every case a replay could get wrong runs eagerly instead."""
+import copy
+import pickle
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from detops.modeling.backbone.frozen_batch_norm import FrozenBatchNorm2d
+from detops.modeling.cuda_graph import GraphedTraining
+
+from tests.test_modeling_train import _batch, _tiny_cfg
+
+cuda = pytest.mark.cuda
+
+
+class _Net(nn.Module):
+    """A frozen stem, then two trainable stages whose outputs come back as a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), FrozenBatchNorm2d(8), nn.ReLU(inplace=True))
+        self.a = nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU())
+        self.b = nn.Conv2d(16, 16, 3, stride=2, padding=1)
+        for p in self.stem.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        a = self.a(self.stem(x))
+        b = self.b(a)
+        # an output computed from another one, as the FPN's extra max-pooled level
+        return OrderedDict(a=a, b=b, c=nn.functional.max_pool2d(b, 1, stride=2))
+
+
+def _nets(device="cuda"):
+    torch.manual_seed(0)
+    net = _Net().to(device)
+    return net, copy.deepcopy(net)
+
+
+def _loss(out, target):
+    return (out["a"] * target[0]).sum() + (out["b"] ** 2 * target[1]).mean() + out["c"].sin().sum()
+
+
+def _data(shape=(2, 3, 32, 48), seed=0, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g).to(device)
+    h, w = shape[2] // 2, shape[3] // 2
+    t = (torch.randn(shape[0], 16, h, w, generator=g).to(device),
+         torch.randn(shape[0], 16, (h + 1) // 2, (w + 1) // 2, generator=g).to(device))
+    return x, t
+
+
+def _grads(net):
+    return [None if p.grad is None else p.grad.clone() for p in net.parameters()]
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.equal(x, y)
+
+
+@cuda
+def test_steps_match_eager_bitwise():
+    eager, graphed = _nets()
+    runner = GraphedTraining(max_graphs=1, after=2)
+    opts = [torch.optim.SGD([p for p in n.parameters() if p.requires_grad], lr=0.05, momentum=0.9) for n in (eager, graphed)]
+    for step in range(6):
+        x, t = _data(seed=step)
+        losses = []
+        for net, opt, run in ((eager, opts[0], lambda n, v: n(v)), (graphed, opts[1], runner)):
+            opt.zero_grad(set_to_none=True)
+            loss = _loss(run(net, x), t)
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+        assert torch.equal(losses[0], losses[1]), step
+        _assert_same(_grads(eager), _grads(graphed))
+    _assert_same(list(eager.parameters()), list(graphed.parameters()))
+    assert runner.captures == 1 and runner.replays == 5  # the first call runs eagerly (after=2)
+
+
+@cuda
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_accumulate_like_eager(set_to_none):
+    eager, graphed = _nets()
+    runner = GraphedTraining(after=1)
+    for net, run in ((eager, lambda n, v: n(v)), (graphed, runner)):
+        net.zero_grad(set_to_none=set_to_none)
+        for seed in range(3):  # three micro-batches into the same .grad
+            x, t = _data(seed=seed)
+            _loss(run(net, x), t).backward()
+    assert runner.replays == 3
+    _assert_same(_grads(eager), _grads(graphed))
+
+
+@cuda
+def test_gradients_handed_out_are_not_overwritten_by_the_next_replay():
+    _, net = _nets()
+    runner = GraphedTraining(after=1)
+    x, t = _data(seed=0)
+    _loss(runner(net, x), t).backward()
+    kept = [p.grad for p in net.parameters() if p.grad is not None]
+    copies = [g.clone() for g in kept]
+    net.zero_grad(set_to_none=True)
+    x, t = _data(seed=1)
+    _loss(runner(net, x), t).backward()
+    assert runner.replays == 2
+    _assert_same(kept, copies)
+
+
+@cuda
+def test_two_forwards_before_one_backward():
+    eager, graphed = _nets()
+    runner = GraphedTraining(after=1)
+    (x1, t1), (x2, t2) = _data(seed=1), _data(seed=2)
+    (_loss(eager(x1), t1) + _loss(eager(x2), t2)).backward()
+    loss = _loss(runner(graphed, x1), t1) + _loss(runner(graphed, x2), t2)
+    assert runner.replays == 1  # the second forward ran eagerly: the first one's backward is pending
+    loss.backward()
+    _assert_same(_grads(eager), _grads(graphed))
+    x3, t3 = _data(seed=3)
+    _loss(runner(graphed, x3), t3).backward()
+    assert runner.replays == 2
+
+
+@cuda
+def test_backward_of_an_older_replay_raises():
+    _, net = _nets()
+    runner = GraphedTraining(after=1)
+    x, t = _data(seed=0)
+    old = _loss(runner(net, x), t)
+    old.backward(retain_graph=True)
+    _loss(runner(net, x), t).backward()
+    with pytest.raises(RuntimeError, match="GraphedTraining: backward through an older forward"):
+        old.backward()
+
+
+@cuda
+def test_shapes_beyond_the_limit_run_eagerly():
+    eager, graphed = _nets()
+    runner = GraphedTraining(max_graphs=1, after=2)
+    shapes = [(2, 3, 32, 48)] * 3 + [(2, 3, 64, 32)] * 3 + [(2, 3, 32, 48)]
+    for i, shape in enumerate(shapes):
+        x, t = _data(shape, seed=i)
+        for net, run in ((eager, lambda n, v: n(v)), (graphed, runner)):
+            net.zero_grad(set_to_none=True)
+            _loss(run(net, x), t).backward()
+        _assert_same(_grads(eager), _grads(graphed))
+    assert runner.captures == 1 and len(runner.graphs) == 1
+    assert runner.replays == 3  # calls 2, 3 and 7; the second shape found no free graph
+
+
+@cuda
+def test_new_parameter_storage_drops_the_graphs():
+    eager, graphed = _nets()
+    runner = GraphedTraining(after=1)
+    for step in range(4):
+        if step == 2:  # as .to() or a memory-format conversion would: same Parameter, new storage
+            for net in (eager, graphed):
+                with torch.no_grad():
+                    net.b.weight.data = net.b.weight.data * 0.5
+        x, t = _data(seed=step)
+        for net, run in ((eager, lambda n, v: n(v)), (graphed, runner)):
+            net.zero_grad(set_to_none=True)
+            _loss(run(net, x), t).backward()
+        _assert_same(_grads(eager), _grads(graphed))
+    assert runner.captures == 2 and runner.replays == 4
+
+
+@cuda
+def test_hooks_eval_no_grad_and_autocast_run_eagerly():
+    _, net = _nets()
+    runner = GraphedTraining(after=1)
+    x, t = _data()
+    _loss(runner(net, x), t).backward()
+    assert runner.replays == 1
+    seen = []
+    handle = net.a.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    _loss(runner(net, x), t).backward()
+    handle.remove()
+    assert seen and runner.replays == 1
+    with torch.no_grad():
+        runner(net, x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _loss(runner(net, x), t).backward()
+    net.eval()
+    out = runner(net, x)
+    assert runner.replays == 1
+    net.train()
+    _loss(runner(net, x), t).backward()
+    assert runner.replays == 2 and runner.captures == 1
+    assert torch.equal(out["b"], net(x)["b"])
+
+
+@cuda
+def test_batch_norm_with_running_statistics_runs_eagerly():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).cuda()
+    runner = GraphedTraining(after=1)
+    x = torch.randn(2, 3, 8, 8, device="cuda")
+    runner(net, x).sum().backward()
+    assert runner.captures == 0 and net[1].num_batches_tracked.item() == 1
+
+
+@cuda
+def test_detector_training_with_backbone_graphs_matches_eager():
+    """With deterministic algorithms (no atomic adds in the heads' backward), a detector whose
+    backbone replays CUDA graphs trains bitwise like an eager one, optimizer updates included."""
+    from detops.modeling import build_detection_model
+
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        models = []
+        for graphs in (0, 1):
+            cfg = _tiny_cfg()
+            cfg.merge_from_list(["MODEL.DEVICE", "cuda", "MODEL.BACKBONE.CUDA_GRAPHS", graphs,
+                                 "MODEL.BACKBONE.CUDA_GRAPH_AFTER", 2])
+            torch.manual_seed(0)
+            models.append(build_detection_model(cfg).cuda().train())
+        images, targets = _batch("cuda")
+        opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01, momentum=0.9) for m in models]
+        for step in range(5):
+            losses, grads = [], []
+            for model, opt in zip(models, opts):
+                torch.manual_seed(step)  # the samplers draw the same proposals
+                opt.zero_grad(set_to_none=True)
+                out = model(images, targets)
+                sum(out.values()).backward()
+                grads.append(_grads(model))
+                opt.step()
+                losses.append({k: v.item() for k, v in out.items()})
+            assert losses[0] == losses[1], step
+            _assert_same(*grads)
+        _assert_same(list(models[0].parameters()), list(models[1].parameters()))
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    assert models[0].backbone_graphs.replays == 0
+    assert models[1].backbone_graphs.captures == 1 and models[1].backbone_graphs.replays == 4
+
+
+def test_copies_keep_the_settings_and_drop_the_graphs():
+    runner = GraphedTraining(max_graphs=3, after=4, warmup=2)
+    runner.graphs[("fake",)] = object()
+    runner.replays = 7
+    for other in (copy.deepcopy(runner), pickle.loads(pickle.dumps(runner))):
+        assert (other.max_graphs, other.after, other.warmup) == (3, 4, 2)
+        assert not other.graphs and other.replays == 0
+
+
+def test_cpu_inputs_run_eagerly():
+    torch.manual_seed(0)
+    net = _Net()
+    runner = GraphedTraining(after=1)
+    x, t = _data(device="cpu")
+    out = runner(net, x)
+    assert torch.equal(out["b"], net(x)["b"]) and runner.captures == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_graphs=-1), dict(after=0), dict(warmup=0)])
+def test_bad_settings(kwargs):
+    with pytest.raises(ValueError, match="GraphedTraining: need max_graphs >= 0"):
+        GraphedTraining(**kwargs)
+
+
+def test_model_has_a_runner_from_the_config():
+    from detops.modeling import build_detection_model
+
+    cfg = _tiny_cfg()
+    cfg.merge_from_list(["MODEL.BACKBONE.CUDA_GRAPHS", 2, "MODEL.BACKBONE.CUDA_GRAPH_AFTER", 5])
+    model = build_detection_model(cfg)
+    assert (model.backbone_graphs.max_graphs, model.backbone_graphs.after) == (2, 5)
+    assert copy.deepcopy(model).backbone_graphs is not model.backbone_graphs
