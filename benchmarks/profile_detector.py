@@ -4,6 +4,14 @@ busy time against the step's wall time, and the ops and kernels that take the mo
 
     python -m benchmarks.profile_detector [--mode training|inference] [--batch 2] [--steps 3]
     python -m benchmarks.profile_detector --syncs   # where each model waits for the GPU
+    python -m benchmarks.profile_detector --phases  # wall and GPU time of each part of a step
+
+--phases synchronizes at the boundaries of the transform, backbone, RPN and RoI heads, of the
+backward through the heads and through the backbone, and of the optimizer step, and reports
+for each part its wall time, the GPU's busy time inside it and its kernel count. A part whose
+wall time is well above its GPU time is bound by the host issuing its launches. The timing
+hooks turn detops' backbone CUDA graphs off (module hooks always run eagerly), so the parts are
+those of an eager step.
 """
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ import collections
 import time
 import traceback
 import warnings
+from typing import List, Tuple
 
 import torch
 
@@ -66,6 +75,105 @@ def _syncs(name, step) -> None:
         print(f"{n:5d}  {loc}")
 
 
+def _parts(model) -> List[Tuple[str, torch.nn.Module]]:
+    """The top-level parts of either model's forward, in order."""
+    parts = [("transform", model.transform), ("backbone", model.backbone), ("rpn", model.rpn)]
+    heads = model.roi_heads
+    if hasattr(heads, "box"):  # detops: CombinedROIHeads
+        parts += [("box head", heads.box)] + ([("mask head", heads.mask)] if hasattr(heads, "mask") else [])
+    else:
+        parts.append(("roi heads", heads))
+    return parts
+
+
+def _phases(name, model, opt, images, targets, steps) -> None:
+    """Times each part of a training step with the GPU synchronized at its boundaries."""
+    handles, marks = [], []
+
+    def enter(label):
+        def pre(module, args):
+            torch.cuda.synchronize()
+            marks.append(torch.profiler.record_function(label))
+            marks[-1].__enter__()
+        return pre
+
+    def leave(module, args, out):
+        torch.cuda.synchronize()
+        marks.pop().__exit__(None, None, None)
+
+    def on_features(module, args, out):
+        leave(module, args, out)
+        feats = [t for t in (out.values() if isinstance(out, dict) else out) if t.requires_grad]
+
+        def reached(grads):
+            torch.cuda.synchronize()
+            with torch.profiler.record_function("phase: backbone backward starts"):
+                pass
+        torch.autograd.graph.register_multi_grad_hook(feats, reached)
+
+    for label, module in _parts(model):
+        handles.append(module.register_forward_pre_hook(enter(f"phase: {label}")))
+        handles.append(module.register_forward_hook(on_features if label == "backbone" else leave))
+
+    def step():
+        torch.cuda.synchronize()
+        with torch.profiler.record_function("phase: forward"):
+            losses = model(images, targets)
+            loss = sum(losses.values())
+            torch.cuda.synchronize()
+        opt.zero_grad(set_to_none=True)
+        with torch.profiler.record_function("phase: backward"):
+            loss.backward()
+            torch.cuda.synchronize()
+        with torch.profiler.record_function("phase: optimizer"):
+            opt.step()
+            torch.cuda.synchronize()
+
+    try:
+        for _ in range(2):
+            step()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(steps):
+                step()
+    finally:
+        for h in handles:
+            h.remove()
+    events = prof.events()
+    # the GPU side of each record_function range shows up as a CUDA event too: not a kernel
+    kernels = [(e.time_range.start, e.time_range.elapsed_us()) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("phase: ")
+               and not getattr(e, "is_user_annotation", False)]
+    ranges = collections.defaultdict(list)
+    for e in events:
+        if e.name.startswith("phase: ") and e.device_type == torch.autograd.DeviceType.CPU:
+            ranges[e.name[7:]].append((e.time_range.start, e.time_range.end))
+    # the backward splits where the last feature gradient is ready
+    split = sorted(s for s, _ in ranges.pop("backbone backward starts", []))
+    bwd = sorted(ranges.pop("backward", []))
+    if len(split) == len(bwd):
+        ranges["backward: heads"] = [(s, m) for (s, _), m in zip(bwd, split)]
+        ranges["backward: backbone"] = [(m, e) for (_, e), m in zip(bwd, split)]
+    else:
+        ranges["backward"] = bwd
+    fwd = ranges.pop("forward")
+    order = ["forward"] + [label for label, _ in _parts(model)] + ["backward: heads", "backward: backbone", "backward", "optimizer"]
+    print(f"==== {name}: a training step in parts, the GPU synchronized at each boundary ({steps} steps)")
+    print(f"{'part':<22}{'wall ms':>9}{'GPU busy ms':>13}{'busy %':>8}{'kernels':>9}")
+    total = [0.0, 0.0, 0]
+    for label in order:
+        spans = fwd if label == "forward" else ranges.get(label)
+        if not spans:
+            continue
+        wall = sum(e - s for s, e in spans) / 1e3 / steps
+        inside = [d for t, d in kernels if any(s <= t < e for s, e in spans)]
+        busy, count = sum(inside) / 1e3 / steps, len(inside) / steps
+        if label != "forward":
+            total = [total[0] + wall, total[1] + busy, total[2] + count]
+        print(f"{label:<22}{wall:9.2f}{busy:13.2f}{100 * busy / max(wall, 1e-9):8.0f}{count:9.0f}")
+    print(f"{'(parts, summed)':<22}{total[0]:9.2f}{total[1]:13.2f}{100 * total[1] / max(total[0], 1e-9):8.0f}{total[2]:9.0f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["training", "inference"], default="training")
@@ -74,6 +182,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--channels-last", action="store_true", help="detops with MODEL.MEMORY_FORMAT channels_last")
     p.add_argument("--syncs", action="store_true", help="list where each model synchronizes instead of profiling")
+    p.add_argument("--phases", action="store_true", help="time each part of a training step (synchronized)")
     a = p.parse_args()
     tv, dt = build_models("cuda", HEIGHT, WIDTH)
     if a.channels_last:
@@ -88,7 +197,11 @@ def main() -> None:
         else:
             model.eval()
             step = lambda: _infer(model, images)  # noqa: E731
-        if a.syncs:
+        if a.phases:
+            if a.mode != "training":
+                p.error("--phases times a training step")
+            _phases(name, model, opt, images, targets, a.steps)
+        elif a.syncs:
             _syncs(name, step)
         else:
             _profile(name, step, a.steps, a.rows)
