@@ -276,3 +276,16 @@ def test_model_has_a_runner_from_the_config():
     model = build_detection_model(cfg)
     assert (model.backbone_graphs.max_graphs, model.backbone_graphs.after) == (2, 5)
     assert copy.deepcopy(model).backbone_graphs is not model.backbone_graphs
+
+
+def test_model_without_a_runner_still_runs():
+    """A model pickled before the runner existed has no `backbone_graphs` attribute."""
+    from detops.modeling import build_detection_model
+
+    model = build_detection_model(_tiny_cfg()).eval()
+    images, _ = _batch()
+    with torch.no_grad():
+        expected = model(images)
+        del model.__dict__["backbone_graphs"]
+        got = model(images)
+    assert all(torch.equal(a["boxes"], b["boxes"]) for a, b in zip(expected, got))

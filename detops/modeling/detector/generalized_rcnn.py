@@ -88,7 +88,8 @@ class GeneralizedRCNN(nn.Module):
             x = x.contiguous(memory_format=torch.channels_last)
         else:
             self._convert_weights(torch.contiguous_format)
-        features = self.backbone_graphs(self.backbone, x)
+        graphs = self.__dict__.get("backbone_graphs")  # absent from models pickled before it existed
+        features = graphs(self.backbone, x) if graphs is not None else self.backbone(x)
         proposals, losses = self.rpn(image_list, features, boxlists)
         if self.roi_heads is None:
             detections = proposals
