@@ -15,7 +15,8 @@ import detops
 from benchmarks.timing import HEADER, Row, compare, cpu_cores, format_ms, format_row, median_ms
 from detops.testing import random_rois
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def _inputs(device, dtype, batch, channels, height, width, k, seed=0):
@@ -25,10 +26,10 @@ def _inputs(device, dtype, batch, channels, height, width, k, seed=0):
     return x, rois
 
 
-def _fwd_bwd(fn, x, rois, grad):
+def fwd_bwd(fn, x, rois, grad):
+    """x's gradient through fn(x, rois) for the output gradient `grad`."""
     x = x.detach().requires_grad_()
-    out = fn(x, rois)
-    out.backward(grad)
+    fn(x, rois).backward(grad)
     return x.grad
 
 
@@ -68,7 +69,7 @@ def _cpu_threads(x, rois, grad, size, runs, threads=None) -> List[Row]:
     cases = []
     for name, (ours, theirs) in ops.items():
         cases.append((f"{name} fwd", lambda o=ours: o(x, rois), lambda t=theirs: t(x, rois)))
-        cases.append((f"{name} fwd+bwd", lambda o=ours: _fwd_bwd(o, x, rois, grad), lambda t=theirs: _fwd_bwd(t, x, rois, grad)))
+        cases.append((f"{name} fwd+bwd", lambda o=ours: fwd_bwd(o, x, rois, grad), lambda t=theirs: fwd_bwd(t, x, rois, grad)))
     # What the machine itself gives: an element-wise torch op (at::parallel_for over equal
     # chunks, no shared data), timed the same way; its scaling bounds what any kernel can show.
     ref_in = torch.randn(x.numel() // 4 * 8)
@@ -129,8 +130,8 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                 rows.append(
                     compare(
                         f"roi_align fwd+bwd, {tag}", device,
-                        lambda: _fwd_bwd(ours, x, rois, grad),
-                        (lambda: _fwd_bwd(theirs, x, rois, grad)) if tv_ok else None,
+                        lambda: fwd_bwd(ours, x, rois, grad),
+                        (lambda: fwd_bwd(theirs, x, rois, grad)) if tv_ok else None,
                         **runs,
                     )
                 )
@@ -139,7 +140,7 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                     rows.append(compare(f"roi_align fwd, channels_last input, {tag}", device, lambda: ours(xcl, rois), lambda: theirs(xcl, rois), **runs))
                     torch.use_deterministic_algorithms(True)
                     try:
-                        rows.append(compare(f"roi_align fwd+bwd deterministic, {tag}", device, lambda: _fwd_bwd(ours, x, rois, grad), None, **runs))
+                        rows.append(compare(f"roi_align fwd+bwd deterministic, {tag}", device, lambda: fwd_bwd(ours, x, rois, grad), None, **runs))
                         # the backward op alone (torchvision has no deterministic CUDA backward)
                         bwd_args = (rois, 0.25, size, size, *shape, 2, True)
                         rows.append(
@@ -161,8 +162,8 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                 rows.append(
                     compare(
                         f"roi_pool fwd+bwd, {tag}", device,
-                        lambda: _fwd_bwd(ours_p, x, rois, grad),
-                        (lambda: _fwd_bwd(theirs_p, x, rois, grad)) if tv_ok else None,
+                        lambda: fwd_bwd(ours_p, x, rois, grad),
+                        (lambda: fwd_bwd(theirs_p, x, rois, grad)) if tv_ok else None,
                         **runs,
                     )
                 )
@@ -172,12 +173,12 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                     rows.append(
                         compare(
                             f"roi_pool fwd+bwd, channels_last input, {tag}", device,
-                            lambda: _fwd_bwd(ours_p, xcl, rois, grad), lambda: _fwd_bwd(theirs_p, xcl, rois, grad), **runs,
+                            lambda: fwd_bwd(ours_p, xcl, rois, grad), lambda: fwd_bwd(theirs_p, xcl, rois, grad), **runs,
                         )
                     )
                     torch.use_deterministic_algorithms(True)
                     try:
-                        rows.append(compare(f"roi_pool fwd+bwd deterministic, {tag}", device, lambda: _fwd_bwd(ours_p, x, rois, grad), None, **runs))
+                        rows.append(compare(f"roi_pool fwd+bwd deterministic, {tag}", device, lambda: fwd_bwd(ours_p, x, rois, grad), None, **runs))
                     finally:
                         torch.use_deterministic_algorithms(False)
                 if device == "cpu":

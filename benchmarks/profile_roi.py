@@ -14,11 +14,9 @@ import torch
 import torchvision
 
 import detops
+from benchmarks.bench_roi import DTYPES
 from detops.ops._utils import roi_kernel
 from detops.testing import random_rois
-
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def forward_cases(x, rois, dtypes, sizes):

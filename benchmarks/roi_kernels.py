@@ -13,11 +13,11 @@ import torch
 import torchvision
 
 import detops
+from benchmarks.bench_roi import DTYPES, fwd_bwd
 from benchmarks.timing import HEADER, Row, format_row, median_ms
 from detops.ops._utils import roi_kernel
 from detops.testing import random_rois
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CHOICES = ("auto", "band", "gather")
 
 
@@ -31,12 +31,6 @@ def _ops(name: str, size: int):
         lambda a, r: detops.ops.roi_pool(a, r, size, 0.25),
         lambda a, r: torchvision.ops.roi_pool(a, r, size, 0.25),
     )
-
-
-def _fwd_bwd(fn, x, rois, grad):
-    x = x.detach().requires_grad_()
-    fn(x, rois).backward(grad)
-    return x.grad
 
 
 def _bwd_only(fn, x, rois, grad):
@@ -72,25 +66,25 @@ def main() -> None:
                 grad = torch.randn(k, shape[1], size, size, device="cuda", dtype=dtype)
                 for layout, xin in layouts:
                     tag = f"{op} {size}x{size} {dname}{layout}"
-                    ref = _fwd_bwd(theirs, xin.float(), rois.float(), grad.float()) if tv_ok else None
+                    ref = fwd_bwd(theirs, xin.float(), rois.float(), grad.float()) if tv_ok else None
                     ref_out = theirs(xin.float(), rois.float()) if tv_ok else None
                     tol = 1e-4 if dtype == torch.float32 else 3e-2
                     tv = {}
                     if tv_ok:
                         tv["fwd"] = median_ms(lambda: theirs(xin, rois), "cuda", runs=a.runs)
                         tv["bwd"] = median_ms(_bwd_only(theirs, xin, rois, grad), "cuda", runs=a.runs)
-                        tv["fwd+bwd"] = median_ms(lambda: _fwd_bwd(theirs, xin, rois, grad), "cuda", runs=a.runs)
+                        tv["fwd+bwd"] = median_ms(lambda: fwd_bwd(theirs, xin, rois, grad), "cuda", runs=a.runs)
                     for choice in CHOICES:
                         with roi_kernel(choice):
                             if ref is not None:
                                 torch.testing.assert_close(ours(xin, rois).float(), ref_out, rtol=tol, atol=tol)
-                                got = _fwd_bwd(ours, xin, rois, grad).float()
+                                got = fwd_bwd(ours, xin, rois, grad).float()
                                 # gradients sum many terms: a looser bound in half precision
                                 torch.testing.assert_close(got, ref, rtol=tol * 10, atol=tol * 10)
                             times = {
                                 "fwd": median_ms(lambda: ours(xin, rois), "cuda", runs=a.runs),
                                 "bwd": median_ms(_bwd_only(ours, xin, rois, grad), "cuda", runs=a.runs),
-                                "fwd+bwd": median_ms(lambda: _fwd_bwd(ours, xin, rois, grad), "cuda", runs=a.runs),
+                                "fwd+bwd": median_ms(lambda: fwd_bwd(ours, xin, rois, grad), "cuda", runs=a.runs),
                             }
                         for part, t in times.items():
                             print(format_row(Row(f"{tag} {part}, kernel {choice}", "cuda", t, tv.get(part))), flush=True)

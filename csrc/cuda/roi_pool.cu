@@ -427,7 +427,7 @@ at::Tensor roi_pool_backward_cuda(
   roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIPoolBackward, rois, batch_size);
   if (!deterministic) {
     const at::Tensor band = roi_pool_backward_band(
-        grad, rois, argmax_in, spatial_scale, pooled_height, pooled_width, batch_size, channels,
+        grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size, channels,
         height, width);
     if (band.defined()) return band.to(grad.scalar_type());
   }

@@ -31,7 +31,6 @@ next replay, which is the next training forward.
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -54,9 +53,7 @@ def _unflatten(tensors: Tuple[Tensor, ...], spec: Any) -> Any:
     if spec is None:
         return tensors[0]
     kind, layout = spec
-    if isinstance(layout, list):
-        return kind(zip(layout, tensors)) if kind is not dict else dict(zip(layout, tensors))
-    return kind(tensors)
+    return kind(zip(layout, tensors)) if isinstance(layout, list) else kind(tensors)
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -219,7 +216,7 @@ class GraphedTraining:
 
     def reset(self) -> None:
         """Drops every graph (and the memory they hold)."""
-        self.graphs: Dict[tuple, _Graph] = OrderedDict()
+        self.graphs: Dict[tuple, _Graph] = {}
         self.signature: Optional[tuple] = None
         self.last_key: Optional[tuple] = None
         self.streak = 0
