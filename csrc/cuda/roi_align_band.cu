@@ -9,8 +9,11 @@
 //   1. band_taps_kernel computes each RoI's sample rows and columns once (AxisTap: the two
 //      pixel rows / columns a sample reads and their weights, the rules of bilinear_sample) and
 //      the owner of each bin row (k, ph): the band holding its first pixel row, keyed
-//      image * bands + band (a RoI with an invalid batch index gets key 0 and only invalid
-//      taps, so its bins are 0 and it receives no gradient);
+//      image * bands + band. A bin row none of whose sample rows lies on the map (all of an
+//      out-of-map RoI's, or of a RoI with an invalid batch index) gets the discard key
+//      batch * bands instead: no band block reads it, the forward writes its bins as zeros
+//      (zero_discarded_kernel) and the backward gives it no gradient. So RoIs far outside the
+//      map (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
 //   2. each block lists the bin rows with its key (in rounds of at most kListCapacity), then
 //      for each channel of its group stages the band and computes the listed bins.
 // Forward: a bin is the same sum, term for term, as in the tiled gather kernel; pixel rows past
@@ -102,8 +105,12 @@ __global__ void band_taps_kernel(
       }
     }
     if (is_y) {
+      // A bin row with no sample row on the map (or of an invalid RoI) is all zeros and has no
+      // gradient: it goes to the discard key batch * bands, which no band block visits.
       const int band = lo_min == INT_MAX ? 0 : lo_min / plan.core;
-      keys[k * pooled_height + p] = b < 0 ? 0 : static_cast<int32_t>(b * plan.bands + band);
+      keys[k * pooled_height + p] = (b < 0 || lo_min == INT_MAX)
+          ? static_cast<int32_t>(batch * plan.bands)
+          : static_cast<int32_t>(b * plan.bands + band);
       const int last = min(height, band * plan.core + plan.core + plan.overlap);
       tall[k * pooled_height + p] = hi_max >= last ? 1 : 0;
     }
@@ -209,6 +216,29 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
       }
       output[(br.k * sh.channels + c) * bins + br.ph * pw_n + pw] = static_cast<scalar_t>(sum / count);
     }
+  }
+}
+
+// Writes zeros to the bins of the discarded bin rows (owner key `discard`), whose count is
+// known only on the device: a fixed grid walks (bin row, channel, pw) items of the list.
+template <typename scalar_t>
+__global__ void zero_discarded_kernel(
+    const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, int32_t discard,
+    int64_t channels, int pooled_height, int pooled_width, scalar_t* __restrict__ output) {
+  const int32_t first = offsets[discard];
+  const int64_t per_row = channels * pooled_width;
+  const int64_t total = static_cast<int64_t>(offsets[discard + 1] - first) * per_row;
+  const int64_t bins = static_cast<int64_t>(pooled_height) * pooled_width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+    const int64_t e = i / per_row;
+    const int64_t r = i - e * per_row;
+    const int64_t c = r / pooled_width;
+    const int pw = static_cast<int>(r - c * pooled_width);
+    const int32_t listed = rows[first + e];
+    const int64_t k = listed >> plane_band::kRowShift;
+    const int ph = static_cast<int>(listed & ((1 << plane_band::kRowShift) - 1));
+    output[(k * channels + c) * bins + ph * pooled_width + pw] = scalar_t(0);
   }
 }
 
@@ -402,11 +432,12 @@ BandSetup setup_bands(
   s.taps = at::empty({num_rois * per * static_cast<int64_t>(sizeof(BandTap<acc_t>)) + s.rows_total},
                      rois.options().dtype(at::kByte));
   s.tall = s.taps.data_ptr<uint8_t>() + num_rois * per * static_cast<int64_t>(sizeof(BandTap<acc_t>));
-  s.index = at::empty({2 * s.rows_total + 2 * (s.num_keys + 1)}, rois.options().dtype(at::kInt));
+  // num_keys owners plus the discard key: offsets and counts hold num_keys + 2 entries
+  s.index = at::empty({2 * s.rows_total + 2 * (s.num_keys + 2)}, rois.options().dtype(at::kInt));
   int32_t* keys = s.index.data_ptr<int32_t>();
   int32_t* rows = keys + s.rows_total;
   int32_t* offsets = rows + s.rows_total;
-  int32_t* counts = offsets + s.num_keys + 1;
+  int32_t* counts = offsets + s.num_keys + 2;
   const int64_t items = num_rois * (pooled_height + pooled_width);
   band_taps_kernel<acc_t><<<cuda::grid_for(items, 256), 256, 0, stream>>>(
       num_rois, rois.const_data_ptr<acc_t>(), batch, static_cast<int>(height),
@@ -415,7 +446,7 @@ BandSetup setup_bands(
       reinterpret_cast<BandTap<acc_t>*>(s.taps.data_ptr<uint8_t>()), keys, s.tall);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   plane_band::group_by_owner_kernel<int32_t><<<1, plane_band::kGroupThreads, 0, stream>>>(
-      keys, static_cast<int32_t>(s.rows_total), static_cast<int32_t>(s.num_keys), counts, offsets,
+      keys, static_cast<int32_t>(s.rows_total), static_cast<int32_t>(s.num_keys + 1), counts, offsets,
       rows, static_cast<int32_t>(pooled_height));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Channel groups: about four blocks per block slot of the GPU, so that a slow block (a band
@@ -468,6 +499,12 @@ bool roi_align_forward_band(
           static_cast<acc_t>(sampling_ratio * sampling_ratio), s.plan, output.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
+    const int64_t slots = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int64_t most = rois.size(0) * pooled_height * channels * pooled_width;
+    zero_discarded_kernel<scalar_t><<<static_cast<unsigned>(std::min(slots, cuda::ceil_div(most, 256))), 256, 0, stream>>>(
+        s.offsets(), s.rows(), static_cast<int32_t>(s.num_keys), channels, static_cast<int>(pooled_height),
+        static_cast<int>(pooled_width), output.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return true;
 }
