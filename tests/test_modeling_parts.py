@@ -13,6 +13,8 @@ from detops.modeling.roi_heads.mask_head.inference import paste_masks_in_image
 from detops.modeling.rpn.anchor_generator import AnchorGenerator, generate_cell_anchors
 from detops.modeling.utils import top_k_per_group
 from detops.structures import BoxList, ImageList, boxlist_iou, cat_boxlist, to_image_list
+from detops.testing import random_rois
+from tests.conftest import DEVICES
 
 
 def test_config_unknown_key_is_rejected(tmp_path):
@@ -154,3 +156,150 @@ def test_paste_masks_matches_torchvision():
                           [60.0, 50.0, 120.0, 90.0], [3.0, 3.0, 3.5, 3.5]])
     assert torch.equal(paste_masks_in_image(masks, boxes, (80, 100)), tv_paste(masks, boxes, (80, 100)))
     assert paste_masks_in_image(masks[:0], boxes[:0], (8, 10)).shape == (0, 1, 8, 10)
+
+
+def test_fixed_shape_sampler_draws_like_the_list_sampler():
+    torch.manual_seed(0)
+    sampler = BalancedPositiveNegativeSampler(64, 0.25)
+    rows = [
+        torch.cat([torch.ones(100), torch.zeros(1000), -torch.ones(10)]),  # 16 positives, 48 negatives
+        torch.cat([torch.full((3,), 2.0), torch.zeros(1097), -torch.ones(10)]),  # 3 and 61
+        torch.cat([torch.ones(30), torch.zeros(20), -torch.ones(1060)]),  # 16 and 20: slots left empty
+    ]
+    labels = torch.stack([r[torch.randperm(r.numel())] for r in rows])
+    idx, valid = sampler.sample(labels)
+    assert idx.shape == valid.shape == (3, 64)
+    for row, (i, v, want_pos, want_neg) in enumerate(zip(idx, valid, (16, 3, 16), (48, 61, 20))):
+        drawn = labels[row][i[v]]
+        n_pos = want_pos
+        assert drawn.numel() == want_pos + want_neg and len(set(i[v].tolist())) == drawn.numel()
+        assert (drawn[:n_pos] >= 1).all() and (drawn[n_pos:] == 0).all()  # positives first
+        assert v[: drawn.numel()].all() and not v[drawn.numel():].any()  # valid slots first
+    # uniform: every positive of row 0 is drawn about 16 / 100 of the time
+    hits = torch.zeros(labels.shape[1])
+    for _ in range(300):
+        idx, valid = sampler.sample(labels[:1])
+        hits.index_add_(0, idx[0][valid[0]], torch.ones(int(valid.sum())))
+    freq = hits[labels[0] >= 1] / 300
+    assert abs(freq.mean().item() - 0.16) < 0.01 and freq.min() > 0.05 and freq.max() < 0.3
+    # fewer candidates than the batch size
+    small_idx, small_valid = sampler.sample(torch.tensor([[1.0, 0.0, -1.0, 0.0]]))
+    assert small_idx.shape == (1, 4) and small_valid.tolist() == [[True, True, True, False]]
+    assert small_idx[0, 0] == 0 and set(small_idx[0, 1:3].tolist()) == {1, 3}
+    with pytest.raises(ValueError, match="labels must be \\[B, N\\]"):
+        sampler.sample(torch.zeros(5))
+
+
+def _rpn_postprocessor(pre, post):
+    from detops.modeling.rpn.inference import RPNPostProcessor
+
+    return RPNPostProcessor((pre, pre), (post, post), 0.7, 0.0, 0.0, BoxCoder((1.0, 1.0, 1.0, 1.0)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rpn_training_proposals_are_the_eval_proposals_padded(device):
+    # The fixed-shape training path (nms_padded per image and level, then the best post_nms_top_n
+    # across levels) keeps the boxes of the batched-NMS path, in the same order, then pads.
+    g = torch.Generator().manual_seed(0)
+    levels = [600, 150, 40]
+    total = sum(levels)
+    anchors = [random_rois(total, 1, 200, 300, seed=s)[:, 1:].to(device) for s in range(2)]
+    objectness = torch.randn(2 * total, 1, generator=g).to(device)
+    deltas = (torch.randn(2 * total, 4, generator=g) * 0.2).to(device)
+    sizes = [(200, 300), (180, 250)]
+    for pre, post in ((100, 120), (500, 1000)):
+        proc = _rpn_postprocessor(pre, post)
+        ref = proc.eval()(anchors, objectness, deltas, levels, sizes)
+        got = proc.train()(anchors, objectness, deltas, levels, sizes)
+        want = min(post, len(levels) * min(pre, max(levels)))
+        for r, p in zip(ref, got):
+            valid = p.get_field("valid")
+            n = len(r)
+            assert len(p) == want and valid[:n].all() and not valid[n:].any()
+            torch.testing.assert_close(p.bbox[:n], r.bbox, rtol=0, atol=0)
+            # the sigmoid of the same logits (vectorized over other lengths: 1 ulp)
+            torch.testing.assert_close(p.get_field("objectness")[:n], r.get_field("objectness"), rtol=3e-7, atol=0)
+            assert (p.bbox[n:] == 0).all()
+
+
+def _box_loss_evaluator(batch=16, fraction=0.25):
+    from detops.modeling.roi_heads.box_head.loss import FastRCNNLossComputation
+
+    return FastRCNNLossComputation(Matcher(0.5, 0.5), BalancedPositiveNegativeSampler(batch, fraction),
+                                   BoxCoder((10.0, 10.0, 5.0, 5.0)))
+
+
+def test_box_head_sampling_and_losses_leave_padding_out():
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    ev = _box_loss_evaluator()
+    gt = BoxList(torch.tensor([[10.0, 10.0, 50.0, 60.0], [100.0, 80.0, 160.0, 150.0]]), (200, 200))
+    gt.add_field("labels", torch.tensor([3, 5]))
+    empty = BoxList(torch.zeros(0, 4), (200, 200))
+    empty.add_field("labels", torch.zeros(0, dtype=torch.int64))
+    props = []
+    for n_valid in (12, 30):
+        b = random_rois(30, 1, 200, 200, seed=n_valid)[:, 1:]
+        b[:3] = gt.bbox[torch.tensor([0, 1, 0])] + 2.0  # positives
+        p = BoxList(b, (200, 200))
+        p.add_field("valid", torch.arange(30) < n_valid)
+        props.append(p)
+    sampled = ev.subsample(props, [gt, empty])
+    assert [len(s) for s in sampled] == [16, 16]
+    first, second = sampled
+    v = first.get_field("valid")
+    # image 0: 12 valid proposals (3 positive) + 2 gt: 4 of the 5 positives, all 9 negatives;
+    # image 1 has no gt: every valid proposal is a negative
+    assert int(v.sum()) == 13 and int(second.get_field("valid").sum()) == 16
+    assert (second.get_field("labels") == 0).all()
+    lab = first.get_field("labels")
+    npos = int((lab > 0).sum())
+    assert npos == 4 and (lab[:npos] > 0).all() and (lab[npos:] == 0).all() and v[:npos].all()
+    assert (first.get_field("regression_targets")[lab == 0] == 0).all()
+
+    logits = torch.randn(32, 6, requires_grad=True)
+    regression = torch.randn(32, 24, requires_grad=True)
+    cls_loss, box_loss = ev(logits, regression, sampled)
+    valid = torch.cat([s.get_field("valid") for s in sampled])
+    labels = torch.cat([s.get_field("labels") for s in sampled])
+    targets = torch.cat([s.get_field("regression_targets") for s in sampled])
+    ref_cls = F.cross_entropy(logits[valid], labels[valid])
+    pos = torch.where(valid & (labels > 0))[0]
+    ref_box = F.smooth_l1_loss(regression.reshape(32, 6, 4)[pos, labels[pos]], targets[pos], beta=1 / 9,
+                               reduction="sum") / int(valid.sum())
+    torch.testing.assert_close(cls_loss, ref_cls)
+    torch.testing.assert_close(box_loss, ref_box)
+    (cls_loss + box_loss).backward()
+    assert torch.isfinite(logits.grad).all() and (logits.grad[~valid] == 0).all()
+    assert torch.isfinite(regression.grad).all() and (regression.grad[~valid] == 0).all()
+
+
+def test_mask_loss_leaves_padding_out():
+    import torch.nn.functional as F
+
+    from detops.modeling.roi_heads.mask_head.loss import mask_rcnn_loss
+
+    torch.manual_seed(0)
+    masks = torch.zeros(2, 64, 64, dtype=torch.uint8)
+    masks[0, 5:30, 5:40] = 1
+    masks[1, 30:60, 20:50] = 1
+    t = BoxList(torch.tensor([[5.0, 5.0, 40.0, 30.0], [20.0, 30.0, 50.0, 60.0]]), (64, 64))
+    t.add_field("masks", masks)
+    p = BoxList(torch.tensor([[4.0, 4.0, 41.0, 31.0], [0.0, 0.0, 0.0, 0.0], [19.0, 29.0, 52.0, 61.0]]), (64, 64))
+    p.add_field("labels", torch.tensor([2, 0, 4]))
+    p.add_field("matched_idxs", torch.tensor([0, 0, 1]))
+    p.add_field("valid", torch.tensor([True, False, True]))
+    logits = torch.randn(3, 5, 14, 14, requires_grad=True)
+    loss = mask_rcnn_loss(logits, [p], [t])
+    keep = torch.tensor([0, 2])
+    ref = mask_rcnn_loss(logits[keep], [p[keep]], [t])
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    assert (logits.grad[1] == 0).all() and logits.grad[0].abs().sum() > 0
+    # without gt masks every slot is padding: the loss is 0
+    none = BoxList(torch.zeros(0, 4), (64, 64))
+    none.add_field("masks", torch.zeros(0, 64, 64, dtype=torch.uint8))
+    p.add_field("valid", torch.zeros(3, dtype=torch.bool))
+    assert mask_rcnn_loss(logits, [p], [none]).item() == 0
+    _ = F  # noqa: F841

@@ -168,3 +168,34 @@ def test_eval_output_format(device):
         assert set(o) == {"boxes", "labels", "scores", "masks"}
         assert o["masks"].shape[1:] == (1,) + tuple(img.shape[1:])
         assert o["labels"].dtype == torch.int64
+
+
+@pytest.mark.cuda
+def test_cuda_training_rpn_and_heads_make_no_host_sync(monkeypatch):
+    # From the backbone's features to the gradients: proposals (nms_padded), sampling, pooling,
+    # the box head and the losses run in fixed shapes, so the host does not wait for the GPU.
+    # The one wait is the mask head's, for the positive counts (an event recorded right after
+    # sampling; the sync debug mode does not see events, so the waits are counted here).
+    from detops.modeling.utils import PendingCounts
+
+    waits = []
+    get = PendingCounts.get
+    monkeypatch.setattr(PendingCounts, "get", lambda self: waits.append(1) or get(self))
+    torch.manual_seed(0)
+    model = build_detection_model(_tiny_cfg()).to("cuda").train()
+    imgs, targets = _batch("cuda")
+    sum(model(imgs, targets).values()).backward()  # first call: caches and kernel attributes
+    image_list, boxlists = model.transform(imgs, targets)
+    features = model.backbone(image_list.tensors)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        proposals, losses = model.rpn(image_list, features, boxlists)
+        _, head_losses = model.roi_heads(features, proposals, image_list.image_sizes, boxlists)
+        losses.update(head_losses)
+        sum(losses.values()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert set(losses) == {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg", "loss_mask"}
+    assert all(torch.isfinite(v) for v in losses.values())
+    assert len(waits) == 2  # one in the warm-up step, one in the step under test

@@ -33,3 +33,36 @@ def top_k_per_group(group: Tensor, order: Tensor, k: int, num_groups: int) -> Tu
     keep = rank < k
     kept = order[by_group[keep]]
     return kept, torch.clamp(counts, max=k).tolist()
+
+
+def host_tensor(data, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """`torch.tensor(data)` on `device` without a host sync: a CUDA copy goes through pinned
+    memory with non_blocking (a plain copy from pageable memory waits for the stream)."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class PendingCounts:
+    """Small integer counts computed on the device, on their way to the host.
+
+    On CUDA the copy goes to pinned memory without blocking, and an event marks its place in
+    the stream; `get()` waits for that event only, so the host waits for the work queued
+    before the counts, not for what it queued after them. On CPU the counts are read at once.
+    """
+
+    def __init__(self, counts: Tensor):
+        self._event = None
+        if counts.is_cuda:
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = counts
+
+    def get(self) -> List[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()

@@ -3,6 +3,12 @@
 All images go through one `detops.ops.batched_nms` call: the NMS category of a candidate is
 image_index * num_levels + level, so boxes of different images or levels never suppress each
 other, and there is no Python loop over images.
+
+In training the proposals come in fixed shapes instead, without a host sync: each (image,
+level) is one row of a `detops.ops.nms_padded` call, and the best post_nms_top_n kept boxes of
+each image are taken across its levels. Every image then gets exactly post_nms_top_n
+proposals, with a "valid" field that is False on the padding (boxes of zeros), so the RoI
+heads can sample and pool them in fixed shapes too.
 """
 from __future__ import annotations
 
@@ -11,10 +17,10 @@ from typing import List, Tuple
 import torch
 from torch import Tensor, nn
 
-from ...ops import batched_nms
+from ...ops import batched_nms, nms_padded
 from ...structures import BoxList
 from ..box_coder import BoxCoder
-from ..utils import top_k_per_group
+from ..utils import host_tensor, top_k_per_group
 
 
 class RPNPostProcessor(nn.Module):
@@ -52,12 +58,15 @@ class RPNPostProcessor(nn.Module):
             num_anchors_per_level (list[int]): A_l, with sum A_l = A_total.
             image_sizes (list[(h, w)]): size of each image before padding.
         Returns:
-            list[BoxList]: proposals of each image with an "objectness" field (probabilities).
+            list[BoxList]: proposals of each image with an "objectness" field (probabilities);
+            in training, post_nms_top_n of them per image with a "valid" field (bool).
         """
         num_images = len(anchors)
         device = objectness.device
         proposals = self.box_coder.decode(deltas.detach(), torch.cat(anchors, 0)).view(num_images, -1, 4)
         objectness = objectness.detach().reshape(num_images, -1)
+        if self.training:
+            return self._padded(proposals, objectness, num_anchors_per_level, image_sizes)
         num_levels = len(num_anchors_per_level)
 
         # top-n per level and image
@@ -74,11 +83,7 @@ class RPNPostProcessor(nn.Module):
         boxes = proposals[batch, top_idx]
         k = top_idx.shape[1]
 
-        # clip to each image
-        sizes = torch.tensor(image_sizes, dtype=boxes.dtype, device=device)  # [B, 2] (h, w)
-        x = torch.minimum(boxes[..., 0::2].clamp(min=0), sizes[:, 1].view(-1, 1, 1))
-        y = torch.minimum(boxes[..., 1::2].clamp(min=0), sizes[:, 0].view(-1, 1, 1))
-        boxes = torch.stack((x, y), dim=-1).reshape(num_images, k, 4)
+        boxes = self._clip(boxes, image_sizes)
 
         boxes = boxes.reshape(-1, 4)
         scores = scores.reshape(-1)
@@ -94,6 +99,55 @@ class RPNPostProcessor(nn.Module):
         for (h, w), b, s in zip(image_sizes, boxes[keep].split(counts), scores[keep].split(counts)):
             bl = BoxList(b, (w, h), mode="xyxy")
             bl.add_field("objectness", s)
+            result.append(bl)
+        return result
+
+
+    def _clip(self, boxes: Tensor, image_sizes: List[Tuple[int, int]]) -> Tensor:
+        """Clip [B, ..., 4] boxes to each image's (h, w)."""
+        sizes = host_tensor(image_sizes, boxes.dtype, boxes.device)  # [B, 2] (h, w)
+        shape = (-1,) + (1,) * (boxes.dim() - 2)
+        x = torch.minimum(boxes[..., 0::2].clamp(min=0), sizes[:, 1].view(shape + (1,)))
+        y = torch.minimum(boxes[..., 1::2].clamp(min=0), sizes[:, 0].view(shape + (1,)))
+        return torch.stack((x, y), dim=-1).reshape(boxes.shape)
+
+    def _padded(self, proposals: Tensor, objectness: Tensor, num_anchors_per_level: List[int],
+                image_sizes: List[Tuple[int, int]]) -> List[BoxList]:
+        """The training proposals: [B, A, 4] decoded boxes and [B, A] logits -> post_nms_top_n
+        proposals per image (padding: valid False, zero boxes, objectness 0), no host sync."""
+        num_images, num_levels = proposals.shape[0], len(num_anchors_per_level)
+        ks = [min(self.pre_nms_top_n(), n) for n in num_anchors_per_level]
+        width = max(ks)
+        batch = torch.arange(num_images, device=proposals.device)[:, None]
+        level_scores, level_boxes, offset = [], [], 0
+        for ob, n, k in zip(objectness.split(num_anchors_per_level, 1), num_anchors_per_level, ks):
+            top, idx = ob.topk(k, dim=1)
+            level_scores.append(torch.nn.functional.pad(top.sigmoid(), (0, width - k), value=float("-inf")))
+            level_boxes.append(torch.nn.functional.pad(proposals[batch, idx + offset], (0, 0, 0, width - k)))
+            offset += n
+        scores = torch.stack(level_scores, 1)  # [B, L, width]; -inf pads
+        boxes = self._clip(torch.stack(level_boxes, 1), image_sizes)  # [B, L, width, 4]
+        ws, hs = boxes[..., 2] - boxes[..., 0], boxes[..., 3] - boxes[..., 1]
+        ok = (ws >= self.min_size) & (hs >= self.min_size) & (scores >= self.score_thresh)
+        scores = torch.where(ok, scores, float("-inf"))
+        per_level = min(self.post_nms_top_n(), width)
+        keep, _ = nms_padded(boxes.reshape(-1, width, 4), scores.reshape(-1, width), self.nms_thresh,
+                             float("-inf"), per_level)  # [B * L, per_level], -1 pads
+        kept = keep.clamp(min=0)
+        kept_scores = torch.where(keep >= 0, scores.reshape(-1, width).gather(1, kept), float("-inf"))
+        kept_boxes = boxes.reshape(-1, width, 4).gather(1, kept[..., None].expand(-1, -1, 4))
+        kept_scores = kept_scores.reshape(num_images, num_levels * per_level)
+        kept_boxes = kept_boxes.reshape(num_images, num_levels * per_level, 4)
+        # the best post_nms_top_n of each image across its levels, by decreasing score
+        top, idx = kept_scores.topk(min(self.post_nms_top_n(), num_levels * per_level), dim=1)
+        valid = top > float("-inf")
+        boxes = torch.where(valid[..., None], kept_boxes.gather(1, idx[..., None].expand(-1, -1, 4)), 0.0)
+        top = torch.where(valid, top, 0.0)
+        result = []
+        for (h, w), b, s, v in zip(image_sizes, boxes, top, valid):
+            bl = BoxList(b, (w, h), mode="xyxy")
+            bl.add_field("objectness", s)
+            bl.add_field("valid", v)
             result.append(bl)
         return result
 

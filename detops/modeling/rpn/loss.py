@@ -46,15 +46,23 @@ class RPNLossComputation:
 
     def __call__(self, anchors: List[Tensor], objectness: Tensor, deltas: Tensor,
                  targets: List[BoxList]) -> Tuple[Tensor, Tensor]:
-        """objectness [B * A, 1], deltas [B * A, 4] -> (objectness loss, box loss)."""
+        """objectness [B * A, 1], deltas [B * A, 4] -> (objectness loss, box loss).
+
+        The sampled anchors are a mask over all anchors (`sample` draws them in fixed shapes),
+        and both losses are masked sums divided by the number of sampled anchors on the
+        device, so nothing is read back to the host."""
         labels, matched_boxes = self.prepare_targets(anchors, targets)
-        pos_masks, neg_masks = self.fg_bg_sampler(labels)
-        pos = torch.where(torch.cat(pos_masks))[0]
-        sampled = torch.where(torch.cat(pos_masks) | torch.cat(neg_masks))[0]
-        labels = torch.cat(labels)
+        labels = torch.stack(labels)  # [B, A]: 1, 0, -1
+        idx, ok = self.fg_bg_sampler.sample(labels)
+        sampled = torch.zeros_like(labels).scatter_add_(1, idx, ok.to(labels.dtype)).flatten() > 0
+        labels = labels.flatten()
+        positive = sampled & (labels > 0)
+        count = sampled.sum().clamp(min=1)
         regression_targets = self.box_coder.encode(torch.cat(matched_boxes), torch.cat(anchors))
-        objectness = objectness.flatten()
-        box_loss = F.smooth_l1_loss(deltas[pos].float(), regression_targets[pos], beta=1 / 9, reduction="sum") / max(
-            sampled.numel(), 1)
-        obj_loss = F.binary_cross_entropy_with_logits(objectness[sampled].float(), labels[sampled])
+        # anchors of an image without gt encode zero boxes (infinite log-sizes): zero them
+        regression_targets = torch.where(positive[:, None], regression_targets, 0.0)
+        box = F.smooth_l1_loss(deltas.float(), regression_targets, beta=1 / 9, reduction="none").sum(1)
+        box_loss = torch.where(positive, box, 0.0).sum() / count
+        obj = F.binary_cross_entropy_with_logits(objectness.flatten().float(), labels.clamp(min=0), reduction="none")
+        obj_loss = torch.where(sampled, obj, 0.0).sum() / count
         return obj_loss, box_loss

@@ -17,9 +17,22 @@ def keep_only_positive_boxes(boxes: List[BoxList]) -> List[BoxList]:
     return [b[torch.where(b.get_field("labels") > 0)[0]] for b in boxes]
 
 
+def positive_slots(boxes: List[BoxList]) -> List[BoxList]:
+    """The positives of each image's sampled RoIs from the box head's fixed-shape sampling,
+    which puts them first: slices of known length once the counts (`positive_counts`,
+    copied to the host while the GPU still runs earlier work) arrive."""
+    pending = getattr(boxes[0], "positive_counts", None) if boxes else None
+    if pending is None:
+        counts = [int(((b.get_field("labels") > 0) & b.get_field("valid")).sum()) for b in boxes]
+    else:
+        counts = pending.get()
+    return [b[:n] for b, n in zip(boxes, counts)]
+
+
 class ROIMaskHead(nn.Module):
     """forward(features, proposals, image_sizes, targets) -> (features, detections, losses).
-    In eval the detections get a "mask" field [n, 1, M, M] of probabilities."""
+    In eval the detections get a "mask" field [n, 1, M, M] of probabilities. In training the
+    proposals are the box head's sampled RoIs, and the head runs on their positives."""
 
     def __init__(self, cfg, in_channels: int):
         super().__init__()
@@ -30,7 +43,10 @@ class ROIMaskHead(nn.Module):
     def forward(self, features: Dict[str, Tensor], proposals: List[BoxList], image_sizes: List[Tuple[int, int]],
                 targets: Optional[List[BoxList]] = None):
         if self.training:
-            proposals = keep_only_positive_boxes(proposals)
+            if all(p.has_field("valid") for p in proposals):
+                proposals = positive_slots(proposals)
+            else:
+                proposals = keep_only_positive_boxes(proposals)
         x = self.feature_extractor(features, [p.bbox for p in proposals], image_sizes)
         mask_logits = self.predictor(x)
         if not self.training:
