@@ -171,9 +171,8 @@ def test_fixed_shape_sampler_draws_like_the_list_sampler():
     assert idx.shape == valid.shape == (3, 64)
     for row, (i, v, want_pos, want_neg) in enumerate(zip(idx, valid, (16, 3, 16), (48, 61, 20))):
         drawn = labels[row][i[v]]
-        n_pos = want_pos
         assert drawn.numel() == want_pos + want_neg and len(set(i[v].tolist())) == drawn.numel()
-        assert (drawn[:n_pos] >= 1).all() and (drawn[n_pos:] == 0).all()  # positives first
+        assert (drawn[:want_pos] >= 1).all() and (drawn[want_pos:] == 0).all()  # positives first
         assert v[: drawn.numel()].all() and not v[drawn.numel():].any()  # valid slots first
     # uniform: every positive of row 0 is drawn about 16 / 100 of the time
     hits = torch.zeros(labels.shape[1])
@@ -276,8 +275,6 @@ def test_box_head_sampling_and_losses_leave_padding_out():
 
 
 def test_mask_loss_leaves_padding_out():
-    import torch.nn.functional as F
-
     from detops.modeling.roi_heads.mask_head.loss import mask_rcnn_loss
 
     torch.manual_seed(0)
@@ -302,4 +299,3 @@ def test_mask_loss_leaves_padding_out():
     none.add_field("masks", torch.zeros(0, 64, 64, dtype=torch.uint8))
     p.add_field("valid", torch.zeros(3, dtype=torch.bool))
     assert mask_rcnn_loss(logits, [p], [none]).item() == 0
-    _ = F  # noqa: F841

@@ -41,6 +41,9 @@ class GeneralizedRCNN(nn.Module):
 
     On CUDA, training iterations with a repeating input shape run the backbone through CUDA
     graphs (MODEL.BACKBONE.CUDA_GRAPHS, `backbone_graphs`), with the same losses and gradients.
+    In training the RPN and RoI heads work in fixed shapes (padded proposals, sampled slots with
+    a "valid" field), so after the target check the host never waits for the GPU except for
+    the mask head's positive counts, which are copied while earlier work still runs.
     """
 
     def __init__(self, cfg):

@@ -16,6 +16,7 @@ from typing import List, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from ...ops import batched_nms, nms_padded
 from ...structures import BoxList
@@ -102,7 +103,6 @@ class RPNPostProcessor(nn.Module):
             result.append(bl)
         return result
 
-
     def _clip(self, boxes: Tensor, image_sizes: List[Tuple[int, int]]) -> Tensor:
         """Clip [B, ..., 4] boxes to each image's (h, w)."""
         sizes = host_tensor(image_sizes, boxes.dtype, boxes.device)  # [B, 2] (h, w)
@@ -122,8 +122,8 @@ class RPNPostProcessor(nn.Module):
         level_scores, level_boxes, offset = [], [], 0
         for ob, n, k in zip(objectness.split(num_anchors_per_level, 1), num_anchors_per_level, ks):
             top, idx = ob.topk(k, dim=1)
-            level_scores.append(torch.nn.functional.pad(top.sigmoid(), (0, width - k), value=float("-inf")))
-            level_boxes.append(torch.nn.functional.pad(proposals[batch, idx + offset], (0, 0, 0, width - k)))
+            level_scores.append(F.pad(top.sigmoid(), (0, width - k), value=float("-inf")))
+            level_boxes.append(F.pad(proposals[batch, idx + offset], (0, 0, 0, width - k)))
             offset += n
         scores = torch.stack(level_scores, 1)  # [B, L, width]; -inf pads
         boxes = self._clip(torch.stack(level_boxes, 1), image_sizes)  # [B, L, width, 4]
