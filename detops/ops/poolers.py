@@ -6,9 +6,9 @@ none when there is one level) sizes the contiguous chunks. Each level is one RoI
 one scatter puts the pooled features back in the RoIs' order.
 
 In training mode on CUDA the call does not synchronize at all: every level's RoIAlign gets all
-RoIs, those of other levels moved far outside the map, where their bins are exact zeros that
-the CUDA kernels skip (a bin row with no sample on the map costs no band work and gets no
-gradient), and the levels' outputs are summed. That reads and writes K pooled outputs per
+RoIs, those of other levels moved far outside the map, where their bins are exact zeros (the
+band kernels do not visit a bin row with no sample on the map, and it gets no gradient), and
+the levels' outputs are summed. That reads and writes K pooled outputs per
 level instead of one scatter, and keeps a training step free of host syncs.
 """
 from __future__ import annotations

@@ -21,12 +21,7 @@ def positive_slots(boxes: List[BoxList]) -> List[BoxList]:
     """The positives of each image's sampled RoIs from the box head's fixed-shape sampling,
     which puts them first: slices of known length once the counts (`positive_counts`,
     copied to the host while the GPU still runs earlier work) arrive."""
-    pending = getattr(boxes[0], "positive_counts", None) if boxes else None
-    if pending is None:
-        counts = [int(((b.get_field("labels") > 0) & b.get_field("valid")).sum()) for b in boxes]
-    else:
-        counts = pending.get()
-    return [b[:n] for b, n in zip(boxes, counts)]
+    return [b[:n] for b, n in zip(boxes, boxes[0].positive_counts.get())]
 
 
 class ROIMaskHead(nn.Module):
@@ -43,7 +38,7 @@ class ROIMaskHead(nn.Module):
     def forward(self, features: Dict[str, Tensor], proposals: List[BoxList], image_sizes: List[Tuple[int, int]],
                 targets: Optional[List[BoxList]] = None):
         if self.training:
-            if all(p.has_field("valid") for p in proposals):
+            if proposals and hasattr(proposals[0], "positive_counts"):
                 proposals = positive_slots(proposals)
             else:
                 proposals = keep_only_positive_boxes(proposals)
