@@ -120,6 +120,62 @@ __device__ __forceinline__ void stage_rows(
   }
 }
 
+// As stage_rows, for two planes at once, interleaved: staged pixel (r, x) is the pair
+// (plane0[r][x], plane1[r][x]) at pair index r * p.stride + x (p planned for pairs).
+template <typename T>
+__device__ __forceinline__ void stage_rows_pair(
+    const T* __restrict__ plane0, const T* __restrict__ plane1, int width, const BandPlan& p,
+    BandRows rows, T* __restrict__ smem) {
+  struct alignas(2 * sizeof(T)) Pair {
+    T a, b;
+  };
+  Pair* dst_pairs = reinterpret_cast<Pair*>(smem);
+  constexpr int kPerVec = sizeof(T) >= 16 ? 1 : static_cast<int>(16 / sizeof(T));
+  const int64_t offset = static_cast<int64_t>(rows.first) * width;
+  const T* src0 = plane0 + offset;
+  const T* src1 = plane1 + offset;
+  const int n_rows = rows.last - rows.first;
+  if (sizeof(T) < 16 && width % kPerVec == 0 && reinterpret_cast<uintptr_t>(src0) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(src1) % 16 == 0) {
+    struct alignas(16) Vec {
+      T v[kPerVec];
+    };
+    const int vw = width / kPerVec;
+    const int total = n_rows * vw;
+    const Vec* v0 = reinterpret_cast<const Vec*>(src0);
+    const Vec* v1 = reinterpret_cast<const Vec*>(src1);
+    constexpr int kUnroll = 2;
+    for (int base = threadIdx.x; base < total; base += kUnroll * blockDim.x) {
+      Vec a[kUnroll], b[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * blockDim.x;
+        if (i < total) {
+          a[u] = v0[i];
+          b[u] = v1[i];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * blockDim.x;
+        if (i < total) {
+          const int r = i / vw;
+          Pair* dst = dst_pairs + r * p.stride + (i - r * vw) * kPerVec;
+#pragma unroll
+          for (int j = 0; j < kPerVec; ++j) dst[j] = Pair{a[u].v[j], b[u].v[j]};
+        }
+      }
+    }
+    return;
+  }
+  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += warps) {
+    const int64_t row = static_cast<int64_t>(r) * width;
+    Pair* dst = dst_pairs + r * p.stride;
+    for (int c = lane; c < width; c += 32) dst[c] = Pair{src0[row + c], src1[row + c]};
+  }
+}
+
 // Whether staged row r of band `bi` is also staged by a neighbouring band: such rows are
 // zeroed beforehand (zero_shared_rows) and added to with atomics, every other row is stored.
 __device__ __forceinline__ bool shared_row(const BandPlan& plan, int bi, int r) {

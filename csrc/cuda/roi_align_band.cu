@@ -14,10 +14,14 @@
 //      batch * bands instead: no band block reads it, the forward writes its bins as zeros
 //      (zero_discarded_kernel) and the backward gives it no gradient. So RoIs far outside the
 //      map (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
-//   2. each block lists the bin rows with its key (in rounds of at most kListCapacity), then
-//      for each channel of its group stages the band and computes the listed bins.
+//   2. each block lists the bin rows with its key, then for each channel of its group (each
+//      pair of channels, in the forward) stages the band and computes the listed bins.
 // Forward: a bin is the same sum, term for term, as in the tiled gather kernel; pixel rows past
-// the staged window (a bin row taller than the overlap) are read from global memory.
+// the staged window (a bin row taller than the overlap) are read from global memory. The
+// forward is bound by load wavefronts (the taps from L1/L2, shared-memory reads with bank
+// conflicts), not by arithmetic: so taps are 8 bytes, loaded two at a time, and the band holds
+// two channel planes interleaved, so that one list entry, one set of taps and weights, and one
+// 8-byte shared load serve two channels (BENCHMARKS.md, "roi_align band forward").
 // Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
 // shared memory with shared-memory atomics, then writes the band out. Rows that two bands
 // stage (the first `overlap` rows of every band but the first) are zeroed beforehand and
@@ -57,17 +61,40 @@ constexpr int kMaxBandGrid = 4;  // sampling ratios the band kernels take
 // Shared memory for a band: two blocks fit on an SM.
 constexpr int64_t kBandBudget = 100 * 1024;  // less where the device allows less (band_budget)
 
-// A sample row or column as the band kernels read it: one 16-byte load (two for double).
-// lo < 0: the sample reads nothing.
+// A sample row or column as the band kernels read it, in 8 bytes (16 for double): the first
+// pixel row / column and its weight. The second one and its weight follow as in axis_weights:
+// hi = lo + 1 except on the last pixel (hi = lo there), h = 1 - l (the same expression as
+// axis_tap, so the same value). lo < 0: the sample reads nothing.
 template <typename T>
-struct alignas(16) BandTap {
-  int32_t lo_, hi_;
-  T l, h_;
+struct alignas(8) BandTap {
+  int32_t lo_;
+  T l;
   __device__ __forceinline__ bool valid() const { return lo_ >= 0; }
   __device__ __forceinline__ int32_t lo() const { return lo_; }
-  __device__ __forceinline__ int32_t hi() const { return hi_; }
-  __device__ __forceinline__ T h() const { return h_; }
+  __device__ __forceinline__ int32_t hi(int size) const { return lo_ < size - 1 ? lo_ + 1 : lo_; }
+  __device__ __forceinline__ T h() const { return T(1) - l; }
 };
+
+// The G taps of one bin row or column (16-byte aligned when G is even: a RoI's taps start at
+// a multiple of (PH + PW) * G taps, a bin's at a multiple of G), two 8-byte taps per load where
+// they pair up: the kernels are bound by load wavefronts, not by instructions.
+template <typename acc_t, int G>
+__device__ __forceinline__ void load_taps(const BandTap<acc_t>* __restrict__ src, BandTap<acc_t> (&out)[G]) {
+  if constexpr (sizeof(BandTap<acc_t>) == 8 && G % 2 == 0) {
+    struct alignas(16) TapPair {
+      BandTap<acc_t> a, b;
+    };
+#pragma unroll
+    for (int q = 0; q < G; q += 2) {
+      const TapPair v = *reinterpret_cast<const TapPair*>(src + q);
+      out[q] = v.a;
+      out[q + 1] = v.b;
+    }
+  } else {
+#pragma unroll
+    for (int q = 0; q < G; ++q) out[q] = src[q];
+  }
+}
 
 // Taps of RoI k: PH * G row taps, then PW * G column taps. keys[k * PH + ph]: the owner of bin
 // row (k, ph); tall[k * PH + ph]: 1 when the bin row reads pixel rows past its owner's window.
@@ -90,18 +117,20 @@ __global__ void band_taps_kernel(
     BandTap<acc_t>* out = taps + k * per * grid + (is_y ? p : pooled_height + p) * grid;
     int lo_min = INT_MAX, hi_max = -1;
     for (int q = 0; q < grid; ++q) {
-      BandTap<acc_t> t{-1, -1, acc_t(0), acc_t(0)};
+      BandTap<acc_t> t{-1, acc_t(0)};
+      int32_t hi = -1;
       if (b >= 0) {
         const acc_t v = is_y
             ? roi_align::sample_coord(r.start_h, r.bin_h, int64_t{p}, int64_t{q}, r.grid_h)
             : roi_align::sample_coord(r.start_w, r.bin_w, int64_t{p}, int64_t{q}, r.grid_w);
         const auto a = axis_tap(v, is_y ? height : width);
-        t = BandTap<acc_t>{a.lo, a.hi, a.l, a.h};
+        t = BandTap<acc_t>{a.lo, a.l};
+        hi = a.hi;
       }
       out[q] = t;
       if (t.valid()) {
         lo_min = min(lo_min, t.lo());
-        hi_max = max(hi_max, t.hi());
+        hi_max = max(hi_max, hi);
       }
     }
     if (is_y) {
@@ -158,11 +187,114 @@ struct ListWalk {
   }
 };
 
-template <typename scalar_t, typename acc_t, int G>
+// Pixel rows of the staged band, as 32-bit shared-memory addresses. Loads go through ld.shared
+// so that an element's address is one add (row + column bytes); with C++ pointers the compiler
+// rebuilds row * stride + column and the shared window base for every load.
+template <typename T>
+__device__ __forceinline__ T load_shared(uint32_t addr);
+template <>
+__device__ __forceinline__ float load_shared<float>(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+template <>
+__device__ __forceinline__ double load_shared<double>(uint32_t addr) {
+  double v;
+  asm volatile("ld.shared.f64 %0, [%1];" : "=d"(v) : "r"(addr));
+  return v;
+}
+template <>
+__device__ __forceinline__ c10::Half load_shared<c10::Half>(uint32_t addr) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  return c10::Half(v, c10::Half::from_bits());
+}
+template <>
+__device__ __forceinline__ c10::BFloat16 load_shared<c10::BFloat16>(uint32_t addr) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  return c10::BFloat16(v, c10::BFloat16::from_bits());
+}
+
+// Adds v to the acc_t at a shared address (a compare-and-swap loop on GPUs without a native
+// shared-memory float add, as atomicAdd on a shared pointer).
+template <typename T>
+__device__ __forceinline__ void add_shared(uint32_t addr, T v);
+template <>
+__device__ __forceinline__ void add_shared<float>(uint32_t addr, float v) {
+  asm volatile("red.shared.add.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+template <>
+__device__ __forceinline__ void add_shared<double>(uint32_t addr, double v) {
+  asm volatile("red.shared.add.f64 [%0], %1;" ::"r"(addr), "d"(v) : "memory");
+}
+
+// Loads of NC channels' values at a shared address (the band stages NC channel planes
+// interleaved, each pixel's NC values side by side).
+template <typename T, int NC>
+struct Lanes {
+  T v[NC];
+};
+template <typename T, int NC>
+__device__ __forceinline__ Lanes<T, NC> load_shared_lanes(uint32_t addr) {
+  if constexpr (NC == 1) {
+    return Lanes<T, 1>{{load_shared<T>(addr)}};
+  } else if constexpr (std::is_same_v<T, float>) {
+    float a, b;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr));
+    return Lanes<T, 2>{{a, b}};
+  } else if constexpr (std::is_same_v<T, double>) {
+    double a, b;
+    asm volatile("ld.shared.v2.f64 {%0, %1}, [%2];" : "=d"(a), "=d"(b) : "r"(addr));
+    return Lanes<T, 2>{{a, b}};
+  } else {  // Half, BFloat16
+    unsigned short a, b;
+    asm volatile("ld.shared.v2.u16 {%0, %1}, [%2];" : "=h"(a), "=h"(b) : "r"(addr));
+    return Lanes<T, 2>{{T(a, T::from_bits()), T(b, T::from_bits())}};
+  }
+}
+
+// Pixel rows of the staged band: row(y) is a shared address, at(row, x) the NC values of
+// pixel x (x scaled by the bytes of a pixel's NC values).
+template <typename scalar_t, int NC = 1>
+struct StagedRows {
+  using row_t = uint32_t;
+  uint32_t base;  // shared address of the first staged row
+  int first, stride_bytes;
+  __device__ __forceinline__ row_t row(int y) const {
+    return base + static_cast<uint32_t>((y - first) * stride_bytes);
+  }
+  __device__ __forceinline__ Lanes<scalar_t, NC> at(row_t r, int32_t col_bytes) const {
+    return load_shared_lanes<scalar_t, NC>(r + static_cast<uint32_t>(col_bytes));
+  }
+};
+
+// The same pixels from the NC channel planes in global memory (the values the band stages).
+template <typename scalar_t, int NC = 1>
+struct PlaneRows {
+  using row_t = int64_t;  // element offset of the row in a plane
+  const scalar_t* plane[NC];
+  int64_t width;
+  __device__ __forceinline__ row_t row(int y) const { return y * width; }
+  __device__ __forceinline__ Lanes<scalar_t, NC> at(row_t r, int32_t col_bytes) const {
+    const int64_t i = r + col_bytes / static_cast<int32_t>(NC * sizeof(scalar_t));
+    Lanes<scalar_t, NC> out;
+#pragma unroll
+    for (int j = 0; j < NC; ++j) out.v[j] = plane[j][i];
+    return out;
+  }
+};
+
+// NC = 2: the band holds two channel planes interleaved (half the rows of NC = 1 in the same
+// shared memory), so that each bin's list entry, taps and weights, and each shared-memory load
+// instruction, serve two channels. The kernel is bound by load wavefronts (taps from L1/L2,
+// shared-memory reads with bank conflicts), not by arithmetic.
+template <typename scalar_t, typename acc_t, int G, int NC>
 __global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
     const scalar_t* __restrict__ input, const BandTap<acc_t>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
-    acc_t count, BandPlan plan, scalar_t* __restrict__ output) {
+    BandPlan plan, scalar_t* __restrict__ output) {
   extern __shared__ __align__(16) unsigned char smem[];
   scalar_t* band = reinterpret_cast<scalar_t*>(smem);
   const int bi = static_cast<int>(blockIdx.x % plan.bands);
@@ -176,45 +308,72 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
   const int pw_n = sh.pooled_width;
   const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
   const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
-  for (int ci = 0; ci < nc; ++ci) {
+  constexpr int32_t kBytes = static_cast<int32_t>(NC * sizeof(scalar_t));  // a staged pixel
+  const StagedRows<scalar_t, NC> staged_rows{static_cast<uint32_t>(__cvta_generic_to_shared(band)), window.first,
+                                             plan.stride * kBytes};
+  for (int ci = 0; ci < nc; ci += NC) {
     const int64_t c = c0 + ci;
-    const scalar_t* plane = input + (b * sh.channels + c) * plane_size;
-    if (ci > 0) __syncthreads();  // the previous channel's band is no longer read
-    plane_band::stage_rows(plane, sh.width, plan, window, band);
+    // the planes of channels c .. c + NC - 1; past the group's last channel, the last again
+    // (staged and computed, not written)
+    PlaneRows<scalar_t, NC> planes;
+    planes.width = sh.width;
+#pragma unroll
+    for (int j = 0; j < NC; ++j) {
+      planes.plane[j] = input + (b * sh.channels + c0 + min(ci + j, nc - 1)) * plane_size;
+    }
+    if (ci > 0) __syncthreads();  // the previous channels' band is no longer read
+    if constexpr (NC == 1) {
+      plane_band::stage_rows(planes.plane[0], sh.width, plan, window, band);
+    } else {
+      plane_band::stage_rows_pair(planes.plane[0], planes.plane[1], sh.width, plan, window, band);
+    }
     __syncthreads();
     for (ListWalk w(pw_n); w.e < n; w.next(pw_n)) {
       const int pw = w.pw;
       const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + w.e], sh, taps);
       BandTap<acc_t> ty[G], tx[G];
+      load_taps<acc_t, G>(br.taps + br.ph * G, ty);
+      load_taps<acc_t, G>(br.taps + (sh.pooled_height + pw) * G, tx);
+      // The same expression, term for term, as the tiled gather kernel, for each channel. A
+      // bin row taller than the overlap reads its pixel rows from global memory (the same
+      // values).
+      acc_t sum[NC];
 #pragma unroll
-      for (int q = 0; q < G; ++q) {
-        ty[q] = br.taps[br.ph * G + q];
-        tx[q] = br.taps[(sh.pooled_height + pw) * G + q];
-      }
-      acc_t sum = 0;
+      for (int j = 0; j < NC; ++j) sum[j] = 0;
+      auto add = [&](const auto& pixels) {
 #pragma unroll
-      for (int iy = 0; iy < G; ++iy) {
-        if (!ty[iy].valid()) continue;
-        const acc_t yl = ty[iy].l, yh = ty[iy].h();
-        const int32_t ylo = ty[iy].lo(), yhi = ty[iy].hi();
-        // the same expression, term for term, as the tiled gather kernel
-        auto add = [&](const scalar_t* rlo, const scalar_t* rhi) {
+        for (int iy = 0; iy < G; ++iy) {
+          if (!ty[iy].valid()) continue;
+          const acc_t yl = ty[iy].l, yh = ty[iy].h();
+          const auto rlo = pixels.row(ty[iy].lo()), rhi = pixels.row(ty[iy].hi(sh.height));
 #pragma unroll
           for (int ix = 0; ix < G; ++ix) {
             if (!tx[ix].valid()) continue;
             const acc_t xl = tx[ix].l, xh = tx[ix].h();
-            const int32_t xlo = tx[ix].lo(), xhi = tx[ix].hi();
-            sum += (yh * xh) * static_cast<acc_t>(rlo[xlo]) + (yh * xl) * static_cast<acc_t>(rlo[xhi]) +
-                (yl * xh) * static_cast<acc_t>(rhi[xlo]) + (yl * xl) * static_cast<acc_t>(rhi[xhi]);
+            const int32_t xlo = tx[ix].lo() * kBytes, xhi = tx[ix].hi(sh.width) * kBytes;
+            const auto v1 = pixels.at(rlo, xlo), v2 = pixels.at(rlo, xhi);
+            const auto v3 = pixels.at(rhi, xlo), v4 = pixels.at(rhi, xhi);
+#pragma unroll
+            for (int j = 0; j < NC; ++j) {
+              sum[j] += (yh * xh) * static_cast<acc_t>(v1.v[j]) + (yh * xl) * static_cast<acc_t>(v2.v[j]) +
+                  (yl * xh) * static_cast<acc_t>(v3.v[j]) + (yl * xl) * static_cast<acc_t>(v4.v[j]);
+            }
           }
-        };
-        if (yhi < window.last) {  // ylo >= window.first: the band owns the bin row
-          add(band + (ylo - window.first) * plan.stride, band + (yhi - window.first) * plan.stride);
-        } else {
-          add(plane + static_cast<int64_t>(ylo) * sh.width, plane + static_cast<int64_t>(yhi) * sh.width);
         }
+      };
+      bool staged = true;  // ylo >= window.first: the band owns the bin row
+#pragma unroll
+      for (int q = 0; q < G; ++q) staged = staged && (!ty[q].valid() || ty[q].hi(sh.height) < window.last);
+      if (staged) {
+        add(staged_rows);
+      } else {
+        add(planes);
       }
-      output[(br.k * sh.channels + c) * bins + br.ph * pw_n + pw] = static_cast<scalar_t>(sum / count);
+      scalar_t* out = output + (br.k * sh.channels + c) * bins + br.ph * pw_n + pw;
+#pragma unroll
+      for (int j = 0; j < NC; ++j) {
+        if (j == 0 || ci + j < nc) out[j * bins] = static_cast<scalar_t>(sum[j] / static_cast<acc_t>(G * G));
+      }
     }
   }
 }
@@ -246,7 +405,7 @@ template <typename scalar_t, typename acc_t, int G>
 __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
     const scalar_t* __restrict__ grad, const BandTap<acc_t>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
-    acc_t count, BandPlan plan, acc_t* __restrict__ grad_input) {
+    BandPlan plan, acc_t* __restrict__ grad_input) {
   extern __shared__ __align__(16) unsigned char smem[];
   acc_t* band = reinterpret_cast<acc_t*>(smem);
   const int bi = static_cast<int>(blockIdx.x % plan.bands);
@@ -261,6 +420,9 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
   const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
   const int staged = (window.last - window.first) * plan.stride;
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const StagedRows<acc_t> staged_rows{static_cast<uint32_t>(__cvta_generic_to_shared(band)), window.first,
+                                      plan.stride * static_cast<int>(sizeof(acc_t))};
+  constexpr uint32_t kBytes = sizeof(acc_t);
   for (int ci = 0; ci < nc; ++ci) {
     const int64_t c = c0 + ci;
     if (ci > 0) __syncthreads();  // the previous channel's band is written out
@@ -271,34 +433,31 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
       const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + w.e], sh, taps);
       const acc_t go = static_cast<acc_t>(grad[(br.k * sh.channels + c) * bins + br.ph * pw_n + pw]);
       if (go == acc_t(0)) continue;
-      const acc_t gv = go / count;
+      const acc_t gv = go / static_cast<acc_t>(G * G);
       BandTap<acc_t> ty[G], tx[G];
-#pragma unroll
-      for (int q = 0; q < G; ++q) {
-        ty[q] = br.taps[br.ph * G + q];
-        tx[q] = br.taps[(sh.pooled_height + pw) * G + q];
-      }
+      load_taps<acc_t, G>(br.taps + br.ph * G, ty);
+      load_taps<acc_t, G>(br.taps + (sh.pooled_height + pw) * G, tx);
 #pragma unroll
       for (int iy = 0; iy < G; ++iy) {
         if (!ty[iy].valid()) continue;
         const acc_t yl = ty[iy].l, yh = ty[iy].h();
-        const int32_t ylo = ty[iy].lo(), yhi = ty[iy].hi();
+        const int32_t ylo = ty[iy].lo(), yhi = ty[iy].hi(sh.height);
         // pixel rows past the window are added by band_tail_backward_kernel
         const bool lo_in = ylo < window.last, hi_in = yhi < window.last;
-        acc_t* rlo = band + (ylo - window.first) * plan.stride;
-        acc_t* rhi = band + (yhi - window.first) * plan.stride;
+        const uint32_t rlo = staged_rows.row(lo_in ? ylo : window.first);
+        const uint32_t rhi = staged_rows.row(hi_in ? yhi : window.first);
 #pragma unroll
         for (int ix = 0; ix < G; ++ix) {
           if (!tx[ix].valid()) continue;
           const acc_t xl = tx[ix].l, xh = tx[ix].h();
-          const int32_t xlo = tx[ix].lo(), xhi = tx[ix].hi();
+          const uint32_t xlo = tx[ix].lo() * kBytes, xhi = tx[ix].hi(sh.width) * kBytes;
           if (lo_in) {
-            atomicAdd(rlo + xlo, (yh * xh) * gv);
-            atomicAdd(rlo + xhi, (yh * xl) * gv);
+            add_shared(rlo + xlo, (yh * xh) * gv);
+            add_shared(rlo + xhi, (yh * xl) * gv);
           }
           if (hi_in) {
-            atomicAdd(rhi + xlo, (yl * xh) * gv);
-            atomicAdd(rhi + xhi, (yl * xl) * gv);
+            add_shared(rhi + xlo, (yl * xh) * gv);
+            add_shared(rhi + xhi, (yl * xl) * gv);
           }
         }
       }
@@ -348,22 +507,23 @@ __global__ void band_tail_backward_kernel(
       for (int iy = 0; iy < g; ++iy) {
         const BandTap<acc_t> ty = t[ph * g + iy];
         if (!ty.valid()) continue;
-        const bool lo_out = ty.lo() >= window.last, hi_out = ty.hi() >= window.last;
+        const int32_t yhi = ty.hi(sh.height);
+        const bool lo_out = ty.lo() >= window.last, hi_out = yhi >= window.last;
         if (!lo_out && !hi_out) continue;
         const acc_t yl = ty.l, yh = ty.h();
         acc_t* rlo = plane + static_cast<int64_t>(ty.lo()) * sh.width;
-        acc_t* rhi = plane + static_cast<int64_t>(ty.hi()) * sh.width;
+        acc_t* rhi = plane + static_cast<int64_t>(yhi) * sh.width;
         for (int ix = 0; ix < g; ++ix) {
           const BandTap<acc_t> tx = t[(ph_n + pw) * g + ix];
           if (!tx.valid()) continue;
           const acc_t xl = tx.l, xh = tx.h();
           if (lo_out) {
             gpuAtomicAdd(rlo + tx.lo(), (yh * xh) * gv);
-            gpuAtomicAdd(rlo + tx.hi(), (yh * xl) * gv);
+            gpuAtomicAdd(rlo + tx.hi(sh.width), (yh * xl) * gv);
           }
           if (hi_out) {
             gpuAtomicAdd(rhi + tx.lo(), (yl * xh) * gv);
-            gpuAtomicAdd(rhi + tx.hi(), (yl * xl) * gv);
+            gpuAtomicAdd(rhi + tx.hi(sh.width), (yl * xl) * gv);
           }
         }
       }
@@ -422,7 +582,7 @@ template <typename acc_t>
 BandSetup setup_bands(
     const at::Tensor& rois, int64_t batch, int64_t channels, int64_t height, int64_t width,
     int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned,
-    double spatial_scale, int64_t elem_bytes, cudaStream_t stream) {
+    double spatial_scale, int64_t elem_bytes, cudaStream_t stream, int64_t channel_step = 1) {
   BandSetup s;
   s.plan = plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(kBandBudget, 0));
   const int64_t num_rois = rois.size(0);
@@ -454,7 +614,8 @@ BandSetup setup_bands(
   const int64_t slots = 2 * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   const int64_t groups = std::max<int64_t>(
       1, std::min<int64_t>({channels, cuda::ceil_div(4 * slots, s.num_keys), 65535}));
-  const int64_t per_block = cuda::ceil_div(channels, groups);
+  // a multiple of the channels a block stages at once
+  const int64_t per_block = cuda::ceil_div(cuda::ceil_div(channels, groups), channel_step) * channel_step;
   s.shape = BandShape{channels, static_cast<int>(height), static_cast<int>(width),
                       static_cast<int>(pooled_height), static_cast<int>(pooled_width),
                       static_cast<int>(per_block)};
@@ -488,16 +649,27 @@ bool roi_align_forward_band(
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_align", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    // Two channels per staged band where a band of pairs still holds enough rows.
+    const int64_t pair_bytes = 2 * input.element_size();
+    const bool pairs = channels >= 2 &&
+        plane_band::plan_bands(height, width, pair_bytes, plane_band::band_budget(kBandBudget, 0)).ok;
     const BandSetup s = setup_bands<acc_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
-        aligned, spatial_scale, input.element_size(), stream);
-    with_grid(sampling_ratio, [&](auto g) {
-      auto kernel = roi_align_band_forward_kernel<scalar_t, acc_t, decltype(g)::value>;
+        aligned, spatial_scale, pairs ? pair_bytes : input.element_size(), stream, pairs ? 2 : 1);
+    auto launch = [&](auto kernel) {
       plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
       kernel<<<s.grid, kBandThreads, s.smem, stream>>>(
-          input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape,
-          static_cast<acc_t>(sampling_ratio * sampling_ratio), s.plan, output.data_ptr<scalar_t>());
+          input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, s.plan,
+          output.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    with_grid(sampling_ratio, [&](auto g) {
+      constexpr int G = decltype(g)::value;
+      if (pairs) {
+        launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, 2>);
+      } else {
+        launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, 1>);
+      }
     });
     const int64_t slots = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const int64_t most = rois.size(0) * pooled_height * channels * pooled_width;
@@ -534,8 +706,8 @@ bool roi_align_backward_band(
       auto kernel = roi_align_band_backward_kernel<scalar_t, acc_t, decltype(gc)::value>;
       plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
       kernel<<<s.grid, kBandThreads, s.smem, stream>>>(
-          g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, count,
-          s.plan, grad_input.data_ptr<acc_t>());
+          g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, s.plan,
+          grad_input.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     const int64_t tail_items = rois.size(0) * pooled_height * channels;
