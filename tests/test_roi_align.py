@@ -626,9 +626,10 @@ def test_roi_kernel_choice_is_checked():
 
 
 # (batch, channels, height, width, rois, min side, max side, spill, pooled size, sampling ratio,
-#  aligned). float32 planes 600 wide stage 39-row windows (4 bands of 30 rows for H = 100), and
-# RoIs 90 rows tall have bins taller than the 9-row overlap; 1200 RoIs on two 64 x 64 maps give
-# one block thousands of bin rows.
+#  aligned). float32 planes 600 wide stage windows of about 40 rows in the backward and, as
+# channel pairs, of 21 rows (16 owned, 5 overlap) in the forward; RoIs 90 rows tall have bins
+# taller than either overlap. Odd channel counts leave a last channel without a pair. 1200 RoIs
+# on two 64 x 64 maps give one block thousands of bin rows.
 BAND_CASES = {
     "one band": (2, 8, 40, 56, 300, 2, 30, 0.0, (7, 7), 2, True),
     "bands, tall bins": (1, 5, 100, 600, 400, 2, 90, 0.1, (7, 7), 2, True),
