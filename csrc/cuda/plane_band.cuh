@@ -74,39 +74,59 @@ __device__ __forceinline__ BandRows band_rows(const BandPlan& p, int band, int h
   return BandRows{first, min(height, first + p.core + p.overlap)};
 }
 
-// Copies rows [rows.first, rows.last) of a row-major plane with `width` columns into `smem`
-// (row stride p.stride). All threads of the block take part; the caller synchronizes. Planes
-// whose rows are whole 16-byte vectors are read a vector at a time, four loads in flight per
-// thread, and stored element by element (the shared rows have an odd stride).
-template <typename T>
+// The NC values of one staged pixel, for bands that stage NC channel planes interleaved.
+template <typename T, int NC>
+struct alignas(NC * sizeof(T)) Lanes {
+  T v[NC];
+};
+
+// Copies rows [rows.first, rows.last) of NC row-major planes with `width` columns into `smem`,
+// interleaved: staged pixel (r, x) holds the planes' values at (rows.first + r, x), at pixel
+// index r * p.stride + x (p planned for pixels of NC values). All threads of the block take
+// part; the caller synchronizes. Planes whose rows are whole 16-byte vectors are read a vector
+// at a time, four loads per thread in flight, and stored pixel by pixel (the shared rows have
+// an odd stride).
+template <typename T, int NC>
 __device__ __forceinline__ void stage_rows(
-    const T* __restrict__ plane, int width, const BandPlan& p, BandRows rows, T* __restrict__ smem) {
+    const T* const (&planes)[NC], int width, const BandPlan& p, BandRows rows, T* __restrict__ smem) {
+  using Pixel = Lanes<T, NC>;
+  Pixel* dst_pixels = reinterpret_cast<Pixel*>(smem);
   constexpr int kPerVec = sizeof(T) >= 16 ? 1 : static_cast<int>(16 / sizeof(T));
-  const T* src_rows = plane + static_cast<int64_t>(rows.first) * width;
+  const int64_t offset = static_cast<int64_t>(rows.first) * width;
   const int n_rows = rows.last - rows.first;
-  if (sizeof(T) < 16 && width % kPerVec == 0 && reinterpret_cast<uintptr_t>(src_rows) % 16 == 0) {
+  bool vectors = sizeof(T) < 16 && width % kPerVec == 0;
+#pragma unroll
+  for (int j = 0; j < NC; ++j) vectors = vectors && reinterpret_cast<uintptr_t>(planes[j] + offset) % 16 == 0;
+  if (vectors) {
     struct alignas(16) Vec {
       T v[kPerVec];
     };
     const int vw = width / kPerVec;
     const int total = n_rows * vw;
-    const Vec* src = reinterpret_cast<const Vec*>(src_rows);
-    constexpr int kUnroll = 4;
+    constexpr int kUnroll = 4 / NC;
     for (int base = threadIdx.x; base < total; base += kUnroll * blockDim.x) {
-      Vec v[kUnroll];
+      Vec v[kUnroll][NC];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * blockDim.x;
-        if (i < total) v[u] = src[i];
+        if (i < total) {
+#pragma unroll
+          for (int j = 0; j < NC; ++j) v[u][j] = reinterpret_cast<const Vec*>(planes[j] + offset)[i];
+        }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = base + u * blockDim.x;
         if (i < total) {
           const int r = i / vw;
-          T* dst = smem + r * p.stride + (i - r * vw) * kPerVec;
+          Pixel* dst = dst_pixels + r * p.stride + (i - r * vw) * kPerVec;
 #pragma unroll
-          for (int j = 0; j < kPerVec; ++j) dst[j] = v[u].v[j];
+          for (int e = 0; e < kPerVec; ++e) {
+            Pixel px;
+#pragma unroll
+            for (int j = 0; j < NC; ++j) px.v[j] = v[u][j].v[e];
+            dst[e] = px;
+          }
         }
       }
     }
@@ -114,66 +134,23 @@ __device__ __forceinline__ void stage_rows(
   }
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += warps) {
-    const T* src = src_rows + static_cast<int64_t>(r) * width;
-    T* dst = smem + r * p.stride;
-    for (int c = lane; c < width; c += 32) dst[c] = src[c];
+    const int64_t row = offset + static_cast<int64_t>(r) * width;
+    Pixel* dst = dst_pixels + r * p.stride;
+    for (int c = lane; c < width; c += 32) {
+      Pixel px;
+#pragma unroll
+      for (int j = 0; j < NC; ++j) px.v[j] = planes[j][row + c];
+      dst[c] = px;
+    }
   }
 }
 
-// As stage_rows, for two planes at once, interleaved: staged pixel (r, x) is the pair
-// (plane0[r][x], plane1[r][x]) at pair index r * p.stride + x (p planned for pairs).
+// stage_rows of one plane.
 template <typename T>
-__device__ __forceinline__ void stage_rows_pair(
-    const T* __restrict__ plane0, const T* __restrict__ plane1, int width, const BandPlan& p,
-    BandRows rows, T* __restrict__ smem) {
-  struct alignas(2 * sizeof(T)) Pair {
-    T a, b;
-  };
-  Pair* dst_pairs = reinterpret_cast<Pair*>(smem);
-  constexpr int kPerVec = sizeof(T) >= 16 ? 1 : static_cast<int>(16 / sizeof(T));
-  const int64_t offset = static_cast<int64_t>(rows.first) * width;
-  const T* src0 = plane0 + offset;
-  const T* src1 = plane1 + offset;
-  const int n_rows = rows.last - rows.first;
-  if (sizeof(T) < 16 && width % kPerVec == 0 && reinterpret_cast<uintptr_t>(src0) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(src1) % 16 == 0) {
-    struct alignas(16) Vec {
-      T v[kPerVec];
-    };
-    const int vw = width / kPerVec;
-    const int total = n_rows * vw;
-    const Vec* v0 = reinterpret_cast<const Vec*>(src0);
-    const Vec* v1 = reinterpret_cast<const Vec*>(src1);
-    constexpr int kUnroll = 2;
-    for (int base = threadIdx.x; base < total; base += kUnroll * blockDim.x) {
-      Vec a[kUnroll], b[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int i = base + u * blockDim.x;
-        if (i < total) {
-          a[u] = v0[i];
-          b[u] = v1[i];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int i = base + u * blockDim.x;
-        if (i < total) {
-          const int r = i / vw;
-          Pair* dst = dst_pairs + r * p.stride + (i - r * vw) * kPerVec;
-#pragma unroll
-          for (int j = 0; j < kPerVec; ++j) dst[j] = Pair{a[u].v[j], b[u].v[j]};
-        }
-      }
-    }
-    return;
-  }
-  const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += warps) {
-    const int64_t row = static_cast<int64_t>(r) * width;
-    Pair* dst = dst_pairs + r * p.stride;
-    for (int c = lane; c < width; c += 32) dst[c] = Pair{src0[row + c], src1[row + c]};
-  }
+__device__ __forceinline__ void stage_rows(
+    const T* __restrict__ plane, int width, const BandPlan& p, BandRows rows, T* __restrict__ smem) {
+  const T* const planes[1] = {plane};
+  stage_rows<T, 1>(planes, width, p, rows, smem);
 }
 
 // Whether staged row r of band `bi` is also staged by a neighbouring band: such rows are

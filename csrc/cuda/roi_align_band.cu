@@ -232,10 +232,7 @@ __device__ __forceinline__ void add_shared<double>(uint32_t addr, double v) {
 
 // Loads of NC channels' values at a shared address (the band stages NC channel planes
 // interleaved, each pixel's NC values side by side).
-template <typename T, int NC>
-struct Lanes {
-  T v[NC];
-};
+using plane_band::Lanes;
 template <typename T, int NC>
 __device__ __forceinline__ Lanes<T, NC> load_shared_lanes(uint32_t addr) {
   if constexpr (NC == 1) {
@@ -322,11 +319,7 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
       planes.plane[j] = input + (b * sh.channels + c0 + min(ci + j, nc - 1)) * plane_size;
     }
     if (ci > 0) __syncthreads();  // the previous channels' band is no longer read
-    if constexpr (NC == 1) {
-      plane_band::stage_rows(planes.plane[0], sh.width, plan, window, band);
-    } else {
-      plane_band::stage_rows_pair(planes.plane[0], planes.plane[1], sh.width, plan, window, band);
-    }
+    plane_band::stage_rows<scalar_t, NC>(planes.plane, sh.width, plan, window, band);
     __syncthreads();
     for (ListWalk w(pw_n); w.e < n; w.next(pw_n)) {
       const int pw = w.pw;
@@ -550,6 +543,11 @@ struct BandSetup {
   const int32_t* offsets() const { return rows() + rows_total; }
 };
 
+// The band plan for an H x W plane of elem_bytes-sized staged pixels, in kBandBudget.
+BandPlan band_plan(int64_t height, int64_t width, int64_t elem_bytes) {
+  return plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(kBandBudget, 0));
+}
+
 // Whether the band kernels take these shapes and RoIs (on top of roi_kernel()). Under kAuto,
 // measured on an H200 (BENCHMARKS.md): the band backward beats the atomic scatter once the
 // samples read about as many pixels as the maps hold; the band forward beats the tiled gather
@@ -567,7 +565,7 @@ bool band_applies(
   if (num_rois * pooled_height >= (int64_t{1} << 30)) return false;
   // list entries (k << kRowShift) | ph fit in int32
   if (num_rois >= (int64_t{1} << (31 - plane_band::kRowShift))) return false;
-  const BandPlan plan = plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(kBandBudget, 0));
+  const BandPlan plan = band_plan(height, width, elem_bytes);
   if (!plan.ok || batch * plan.bands >= (int64_t{1} << 30)) return false;
   if (choice == RoIKernel::kBand) return true;
   // pixels read by all samples of one channel (four per sample), against the pixels it holds
@@ -582,9 +580,9 @@ template <typename acc_t>
 BandSetup setup_bands(
     const at::Tensor& rois, int64_t batch, int64_t channels, int64_t height, int64_t width,
     int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned,
-    double spatial_scale, int64_t elem_bytes, cudaStream_t stream, int64_t channel_step = 1) {
+    double spatial_scale, const BandPlan& plan, cudaStream_t stream, int64_t channel_step = 1) {
   BandSetup s;
-  s.plan = plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(kBandBudget, 0));
+  s.plan = plan;
   const int64_t num_rois = rois.size(0);
   const int64_t per = (pooled_height + pooled_width) * sampling_ratio;
   s.rows_total = num_rois * pooled_height;
@@ -650,12 +648,12 @@ bool roi_align_forward_band(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_align", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     // Two channels per staged band where a band of pairs still holds enough rows.
-    const int64_t pair_bytes = 2 * input.element_size();
-    const bool pairs = channels >= 2 &&
-        plane_band::plan_bands(height, width, pair_bytes, plane_band::band_budget(kBandBudget, 0)).ok;
+    const BandPlan pair_plan = band_plan(height, width, 2 * input.element_size());
+    const bool pairs = channels >= 2 && pair_plan.ok;
     const BandSetup s = setup_bands<acc_t>(
-        rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
-        aligned, spatial_scale, pairs ? pair_bytes : input.element_size(), stream, pairs ? 2 : 1);
+        rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
+        spatial_scale, pairs ? pair_plan : band_plan(height, width, input.element_size()), stream,
+        pairs ? 2 : 1);
     auto launch = [&](auto kernel) {
       plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
       kernel<<<s.grid, kBandThreads, s.smem, stream>>>(
@@ -698,7 +696,7 @@ bool roi_align_backward_band(
     TORCH_INTERNAL_ASSERT(grad_input.scalar_type() == c10::CppTypeToScalarType<acc_t>::value);
     const BandSetup s = setup_bands<acc_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
-        aligned, spatial_scale, sizeof(acc_t), stream);
+        aligned, spatial_scale, band_plan(height, width, sizeof(acc_t)), stream);
     // Rows two bands stage start at zero; every other row is stored by its band.
     plane_band::zero_shared_rows(grad_input.data_ptr<acc_t>(), batch * channels, height, width, s.plan, stream);
     const acc_t count = static_cast<acc_t>(sampling_ratio * sampling_ratio);
