@@ -3,6 +3,9 @@ empty inputs, torch.library registrations, autocast, argument checks, and (on a 
 agreement and the deterministic backward."""
 import contextlib
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -495,6 +498,29 @@ def test_cuda_device_mismatch():
     x = features(device="cuda")
     with pytest.raises(RuntimeError, match="roi_align: input and rois must be on the same device"):
         roi_align(x, torch.tensor([[0, 1.0, 1.0, 5.0, 5.0]]), 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["gather", "band"])
+def test_cuda_invalid_batch_index_asserts(kernel):
+    # the band kernels check batch indices in their setup kernel, the gather kernels in a
+    # kernel of their own; either way a device assertion names the op. It poisons the CUDA
+    # context, so it fires in a child process.
+    code = (
+        "import torch, detops\n"
+        "from detops.ops._utils import roi_kernel\n"
+        "x = torch.randn(2, 3, 40, 40, device='cuda')\n"
+        "rois = torch.tensor([[0.0, 0, 0, 30, 30]] * 50 + [[2.0, 0, 0, 4, 4]], device='cuda')\n"
+        f"with roi_kernel('{kernel}'):\n"
+        "    torch.ops.detops.roi_align(x, rois, 1.0, 7, 7, 2, True)\n"
+        "torch.cuda.synchronize()\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "assert" in done.stderr.lower(), done.stderr
+    # the assertion's text goes to one of the two streams, depending on the driver
+    assert "detops.roi_align: rois[:, 0]" in done.stdout + done.stderr, done.stdout + done.stderr
 
 
 @pytest.mark.cuda

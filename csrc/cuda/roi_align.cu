@@ -50,7 +50,8 @@ bool roi_align_backward_deterministic_staged(
 
 // roi_align_band.cu: dense RoIs on NCHW maps through shared-memory plane bands; false for
 // inputs the band kernels do not take (or roi_kernel() rules out). rois in the accumulation
-// type; the backward's grad_input is the accumulation-type buffer, written whole.
+// type; the backward's grad_input is the accumulation-type buffer, written whole. The forward
+// checks the batch indices itself (the same device assertion as check_batch_indices_async).
 bool roi_align_forward_band(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& output);
@@ -511,12 +512,13 @@ at::Tensor roi_align_forward_cuda(
       at::empty({rois.size(0), input.size(1), pooled_height, pooled_width}, input.options());
   if (output.numel() == 0) return output;
   const int64_t batch = input.size(0);
-  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlign, rois, batch);
   const at::Tensor r = rois.to(acc_dtype_of(rois.scalar_type())).contiguous();
+  // the band kernels check the batch indices in their setup
   if (roi_align_forward_band(
           input, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, output)) {
     return output;
   }
+  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlign, rois, batch);
   const int64_t total = output.numel();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t channels = input.size(1), bins = pooled_height * pooled_width;

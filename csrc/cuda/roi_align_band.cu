@@ -11,8 +11,8 @@
 //      the owner of each bin row (k, ph): the band holding its first pixel row, keyed
 //      image * bands + band. A bin row none of whose sample rows lies on the map (all of an
 //      out-of-map RoI's, or of a RoI with an invalid batch index) gets the discard key
-//      batch * bands instead: no band block reads it, the forward writes its bins as zeros
-//      (zero_discarded_kernel) and the backward gives it no gradient. So RoIs far outside the
+//      batch * bands instead: no band block reads it, the forward's blocks of that key write
+//      its bins as zeros and the backward gives it no gradient. So RoIs far outside the
 //      map (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
 //   2. each block lists the bin rows with its key, then for each channel of its group (each
 //      pair of channels, in the forward) stages the band and computes the listed bins.
@@ -44,6 +44,7 @@
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
 #include "roi_align_rois.cuh"
+#include "roi_checks.cuh"
 
 namespace detops {
 namespace ops {
@@ -98,17 +99,20 @@ __device__ __forceinline__ void load_taps(const BandTap<acc_t>* __restrict__ src
 
 // Taps of RoI k: PH * G row taps, then PW * G column taps. keys[k * PH + ph]: the owner of bin
 // row (k, ph); tall[k * PH + ph]: 1 when the bin row reads pixel rows past its owner's window.
+// With `check`, a RoI whose batch index is invalid also fails op's device assertion.
 template <typename acc_t>
 __global__ void band_taps_kernel(
     int64_t num_rois, const acc_t* __restrict__ rois, int64_t batch, int height, int width,
     int pooled_height, int pooled_width, acc_t scale, int grid, bool aligned, BandPlan plan,
-    BandTap<acc_t>* __restrict__ taps, int32_t* __restrict__ keys, uint8_t* __restrict__ tall) {
+    BandTap<acc_t>* __restrict__ taps, int32_t* __restrict__ keys, uint8_t* __restrict__ tall,
+    bool check, roi_checks::RoIOp op) {
   const int per = pooled_height + pooled_width;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_rois * per;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t k = i / per;
     const int j = static_cast<int>(i - k * per);
     const acc_t* roi = rois + k * 5;
+    if (check && j == 0) roi_checks::assert_batch_index(static_cast<double>(roi[0]), batch, op);
     const int64_t b = roi_align::roi_batch_index(roi[0], batch);
     const RoIBins<acc_t> r =
         bins_of(roi, scale, pooled_height, pooled_width, int64_t{grid}, aligned);
@@ -291,7 +295,7 @@ template <typename scalar_t, typename acc_t, int G, int NC>
 __global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
     const scalar_t* __restrict__ input, const BandTap<acc_t>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
-    BandPlan plan, scalar_t* __restrict__ output) {
+    BandPlan plan, int32_t discard, scalar_t* __restrict__ output) {
   extern __shared__ __align__(16) unsigned char smem[];
   scalar_t* band = reinterpret_cast<scalar_t*>(smem);
   const int bi = static_cast<int>(blockIdx.x % plan.bands);
@@ -299,12 +303,22 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
   const int32_t first_row = offsets[blockIdx.x];
   const int n = offsets[blockIdx.x + 1] - first_row;
   if (n == 0) return;
-  const BandRows window = plane_band::band_rows(plan, bi, sh.height);
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
   const int nc = static_cast<int>(min(sh.channels - c0, static_cast<int64_t>(sh.channels_per_block)));
   const int pw_n = sh.pooled_width;
-  const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
   const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
+  if (blockIdx.x == discard) {  // the discarded bin rows' bins of this channel group are zeros
+    const int64_t per_row = static_cast<int64_t>(nc) * pw_n;
+    for (int64_t i = threadIdx.x; i < n * per_row; i += blockDim.x) {
+      const int64_t e = i / per_row, rem = i - e * per_row;
+      const int64_t ci = rem / pw_n, pw = rem - ci * pw_n;
+      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + e], sh, taps);
+      output[(br.k * sh.channels + c0 + ci) * bins + br.ph * pw_n + pw] = scalar_t(0);
+    }
+    return;
+  }
+  const BandRows window = plane_band::band_rows(plan, bi, sh.height);
+  const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
   constexpr int32_t kBytes = static_cast<int32_t>(NC * sizeof(scalar_t));  // a staged pixel
   const StagedRows<scalar_t, NC> staged_rows{static_cast<uint32_t>(__cvta_generic_to_shared(band)), window.first,
                                              plan.stride * kBytes};
@@ -368,29 +382,6 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
         if (j == 0 || ci + j < nc) out[j * bins] = static_cast<scalar_t>(sum[j] / static_cast<acc_t>(G * G));
       }
     }
-  }
-}
-
-// Writes zeros to the bins of the discarded bin rows (owner key `discard`), whose count is
-// known only on the device: a fixed grid walks (bin row, channel, pw) items of the list.
-template <typename scalar_t>
-__global__ void zero_discarded_kernel(
-    const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, int32_t discard,
-    int64_t channels, int pooled_height, int pooled_width, scalar_t* __restrict__ output) {
-  const int32_t first = offsets[discard];
-  const int64_t per_row = channels * pooled_width;
-  const int64_t total = static_cast<int64_t>(offsets[discard + 1] - first) * per_row;
-  const int64_t bins = static_cast<int64_t>(pooled_height) * pooled_width;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    const int64_t e = i / per_row;
-    const int64_t r = i - e * per_row;
-    const int64_t c = r / pooled_width;
-    const int pw = static_cast<int>(r - c * pooled_width);
-    const int32_t listed = rows[first + e];
-    const int64_t k = listed >> plane_band::kRowShift;
-    const int ph = static_cast<int>(listed & ((1 << plane_band::kRowShift) - 1));
-    output[(k * channels + c) * bins + ph * pooled_width + pw] = scalar_t(0);
   }
 }
 
@@ -528,7 +519,9 @@ __global__ void band_tail_backward_kernel(
 struct BandSetup {
   BandPlan plan;
   BandShape shape;
-  at::Tensor taps, index;  // index: keys, rows, offsets, counts (int32)
+  // one allocation: the taps, then the index (keys, rows, offsets, counts: int32), then tall
+  at::Tensor scratch;
+  int64_t taps_bytes = 0;
   int64_t rows_total = 0, num_keys = 0;
   uint8_t* tall = nullptr;
   dim3 grid;
@@ -536,9 +529,10 @@ struct BandSetup {
 
   template <typename acc_t>
   const BandTap<acc_t>* tap_ptr() const {
-    return reinterpret_cast<const BandTap<acc_t>*>(taps.const_data_ptr<uint8_t>());
+    return reinterpret_cast<const BandTap<acc_t>*>(scratch.const_data_ptr<uint8_t>());
   }
-  const int32_t* keys() const { return index.const_data_ptr<int32_t>(); }
+  int32_t* index() const { return reinterpret_cast<int32_t*>(scratch.data_ptr<uint8_t>() + taps_bytes); }
+  const int32_t* keys() const { return index(); }
   const int32_t* rows() const { return keys() + rows_total; }
   const int32_t* offsets() const { return rows() + rows_total; }
 };
@@ -580,28 +574,31 @@ template <typename acc_t>
 BandSetup setup_bands(
     const at::Tensor& rois, int64_t batch, int64_t channels, int64_t height, int64_t width,
     int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned,
-    double spatial_scale, const BandPlan& plan, cudaStream_t stream, int64_t channel_step = 1) {
+    double spatial_scale, const BandPlan& plan, cudaStream_t stream, int64_t channel_step = 1,
+    const roi_checks::RoIOp* check = nullptr) {
   BandSetup s;
   s.plan = plan;
   const int64_t num_rois = rois.size(0);
   const int64_t per = (pooled_height + pooled_width) * sampling_ratio;
   s.rows_total = num_rois * pooled_height;
   s.num_keys = batch * s.plan.bands;
-  s.taps = at::empty({num_rois * per * static_cast<int64_t>(sizeof(BandTap<acc_t>)) + s.rows_total},
-                     rois.options().dtype(at::kByte));
-  s.tall = s.taps.data_ptr<uint8_t>() + num_rois * per * static_cast<int64_t>(sizeof(BandTap<acc_t>));
+  // the taps' size is a multiple of 8 bytes, so the index after them is aligned
+  s.taps_bytes = num_rois * per * static_cast<int64_t>(sizeof(BandTap<acc_t>));
   // num_keys owners plus the discard key: offsets and counts hold num_keys + 2 entries
-  s.index = at::empty({2 * s.rows_total + 2 * (s.num_keys + 2)}, rois.options().dtype(at::kInt));
-  int32_t* keys = s.index.data_ptr<int32_t>();
+  const int64_t index_ints = 2 * s.rows_total + 2 * (s.num_keys + 2);
+  s.scratch = at::empty({s.taps_bytes + 4 * index_ints + s.rows_total}, rois.options().dtype(at::kByte));
+  int32_t* keys = s.index();
   int32_t* rows = keys + s.rows_total;
   int32_t* offsets = rows + s.rows_total;
   int32_t* counts = offsets + s.num_keys + 2;
+  s.tall = reinterpret_cast<uint8_t*>(keys + index_ints);
   const int64_t items = num_rois * (pooled_height + pooled_width);
   band_taps_kernel<acc_t><<<cuda::grid_for(items, 256), 256, 0, stream>>>(
       num_rois, rois.const_data_ptr<acc_t>(), batch, static_cast<int>(height),
       static_cast<int>(width), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
       static_cast<acc_t>(spatial_scale), static_cast<int>(sampling_ratio), aligned, s.plan,
-      reinterpret_cast<BandTap<acc_t>*>(s.taps.data_ptr<uint8_t>()), keys, s.tall);
+      reinterpret_cast<BandTap<acc_t>*>(s.scratch.data_ptr<uint8_t>()), keys, s.tall, check != nullptr,
+      check != nullptr ? *check : roi_checks::RoIOp::kRoIAlign);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   plane_band::group_by_owner_kernel<int32_t><<<1, plane_band::kGroupThreads, 0, stream>>>(
       keys, static_cast<int32_t>(s.rows_total), static_cast<int32_t>(s.num_keys + 1), counts, offsets,
@@ -645,6 +642,8 @@ bool roi_align_forward_band(
     return false;
   }
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // the caller leaves the batch-index check to the taps kernel
+  static constexpr roi_checks::RoIOp kCheck = roi_checks::RoIOp::kRoIAlign;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_align", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     // Two channels per staged band where a band of pairs still holds enough rows.
@@ -653,12 +652,14 @@ bool roi_align_forward_band(
     const BandSetup s = setup_bands<acc_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
         spatial_scale, pairs ? pair_plan : band_plan(height, width, input.element_size()), stream,
-        pairs ? 2 : 1);
+        pairs ? 2 : 1, &kCheck);
+    // one more column of blocks: those of the discard key, which write its bins' zeros
+    const dim3 grid(s.grid.x + 1, s.grid.y);
     auto launch = [&](auto kernel) {
       plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
-      kernel<<<s.grid, kBandThreads, s.smem, stream>>>(
+      kernel<<<grid, kBandThreads, s.smem, stream>>>(
           input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, s.plan,
-          output.data_ptr<scalar_t>());
+          static_cast<int32_t>(s.num_keys), output.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     with_grid(sampling_ratio, [&](auto g) {
@@ -669,12 +670,6 @@ bool roi_align_forward_band(
         launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, 1>);
       }
     });
-    const int64_t slots = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const int64_t most = rois.size(0) * pooled_height * channels * pooled_width;
-    zero_discarded_kernel<scalar_t><<<static_cast<unsigned>(std::min(slots, cuda::ceil_div(most, 256))), 256, 0, stream>>>(
-        s.offsets(), s.rows(), static_cast<int32_t>(s.num_keys), channels, static_cast<int>(pooled_height),
-        static_cast<int>(pooled_width), output.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return true;
 }

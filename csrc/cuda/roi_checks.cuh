@@ -1,7 +1,8 @@
 // Device-side check of RoI batch indices, in one launch and without a host sync: a RoI whose
 // rois[k, 0] is not an integer in [0, B) fails a device assertion that names the op. The RoI
 // kernels ignore such RoIs (empty bins, no gradient), so nothing is read or written out of
-// bounds before the error surfaces at the next synchronization.
+// bounds before the error surfaces at the next synchronization. Kernels that read every RoI
+// anyway (the roi_align band setup) make the same check themselves (assert_batch_index).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,27 +21,31 @@ namespace roi_checks {
 
 enum class RoIOp : int { kRoIAlign, kRoIAlignBackward, kRoIPool, kRoIPoolBackward };
 
+// Fails a device assertion naming `op` unless v (rois[k, 0]) is an integer in [0, batch).
+__device__ __forceinline__ void assert_batch_index(double v, int64_t batch, RoIOp op) {
+  const bool ok = v >= 0.0 && v < static_cast<double>(batch) && floor(v) == v;
+  switch (op) {
+    case RoIOp::kRoIAlign:
+      CUDA_KERNEL_ASSERT(ok && "detops.roi_align: rois[:, 0] (the batch index) must hold integers in [0, B)");
+      break;
+    case RoIOp::kRoIAlignBackward:
+      CUDA_KERNEL_ASSERT(ok && "detops._roi_align_backward: rois[:, 0] (the batch index) must hold integers in [0, B)");
+      break;
+    case RoIOp::kRoIPool:
+      CUDA_KERNEL_ASSERT(ok && "detops.roi_pool: rois[:, 0] must hold batch indices, integers in [0, B)");
+      break;
+    default:
+      CUDA_KERNEL_ASSERT(ok && "detops.roi_pool backward: rois[:, 0] must hold batch indices, integers in [0, B)");
+      break;
+  }
+}
+
 template <typename T>
 __global__ void batch_index_kernel(int64_t num_rois, const T* __restrict__ rois, int64_t row_stride,
                                    int64_t batch, RoIOp op) {
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < num_rois;
        k += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    const double v = static_cast<double>(rois[k * row_stride]);
-    const bool ok = v >= 0.0 && v < static_cast<double>(batch) && floor(v) == v;
-    switch (op) {
-      case RoIOp::kRoIAlign:
-        CUDA_KERNEL_ASSERT(ok && "detops.roi_align: rois[:, 0] (the batch index) must hold integers in [0, B)");
-        break;
-      case RoIOp::kRoIAlignBackward:
-        CUDA_KERNEL_ASSERT(ok && "detops._roi_align_backward: rois[:, 0] (the batch index) must hold integers in [0, B)");
-        break;
-      case RoIOp::kRoIPool:
-        CUDA_KERNEL_ASSERT(ok && "detops.roi_pool: rois[:, 0] must hold batch indices, integers in [0, B)");
-        break;
-      default:
-        CUDA_KERNEL_ASSERT(ok && "detops.roi_pool backward: rois[:, 0] must hold batch indices, integers in [0, B)");
-        break;
-    }
+    assert_batch_index(static_cast<double>(rois[k * row_stride]), batch, op);
   }
 }
 
