@@ -4,10 +4,10 @@ Each RoI is cut into output_size bins; a bin is the mean of bilinear samples of 
 map taken on a regular grid inside it (sampling_ratio per axis, or ceil(bin size) when
 sampling_ratio <= 0). Samples further than one pixel outside the map count as 0.
 
-Autograd is registered twice over the same helpers: on the op itself
-(`torch.library.register_autograd`, so `torch.ops.detops.roi_align` is differentiable and
-passes `torch.library.opcheck`) and through the `_RoIAlignFunction` autograd.Function that
-`roi_align` uses. The backward op is not differentiable (no double backward).
+Autograd is registered on the op itself (`torch.library.register_autograd`), so
+`torch.ops.detops.roi_align` is differentiable and passes `torch.library.opcheck`; `roi_align`
+calls the op directly (an autograd.Function around it would cost a few microseconds of Python
+per call). The backward op is not differentiable (no double backward).
 
 On CUDA with `torch.use_deterministic_algorithms(True)` the backward runs a deterministic
 kernel (bit-identical from run to run); otherwise it accumulates with atomics.
@@ -18,7 +18,6 @@ from typing import List, Sequence, Union
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from ._utils import boxes_to_rois, pair
 
@@ -58,7 +57,9 @@ def roi_align(
     """
     ph, pw = pair(output_size, _OP)
     rois = boxes_to_rois(boxes, _OP)
-    return _RoIAlignFunction.apply(input, rois, ph, pw, float(spatial_scale), int(sampling_ratio), bool(aligned))
+    return torch.ops.detops.roi_align.default(
+        input, rois, float(spatial_scale), ph, pw, int(sampling_ratio), bool(aligned)
+    )
 
 
 class RoIAlign(nn.Module):
@@ -92,20 +93,21 @@ class RoIAlign(nn.Module):
         )
 
 
-# --- autograd: one setup/backward pair shared by the op registration and the Function ------
+# --- autograd of the op ---------------------------------------------------------------------
 
 
-def _save_for_backward(
-    ctx, input: Tensor, rois: Tensor, spatial_scale: float, ph: int, pw: int, sampling_ratio: int, aligned: bool
-) -> None:
+def _setup_context(ctx, inputs, output) -> None:
+    input, rois, spatial_scale, ph, pw, sampling_ratio, aligned = inputs
     ctx.save_for_backward(rois)
     ctx.input_shape = tuple(input.shape)
     ctx.input_dtype = input.dtype
     ctx.args = (spatial_scale, ph, pw, sampling_ratio, aligned)
 
 
-def _input_grad(ctx, grad: Tensor) -> Tensor:
+def _op_backward(ctx, grad: Tensor):
     """d loss / d input [B, C, H, W] from d loss / d output [K, C, PH, PW]."""
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None, None, None
     (rois,) = ctx.saved_tensors
     spatial_scale, ph, pw, sampling_ratio, aligned = ctx.args
     b, c, h, w = ctx.input_shape
@@ -114,17 +116,7 @@ def _input_grad(ctx, grad: Tensor) -> Tensor:
     g = torch.ops.detops._roi_align_backward(
         grad.to(rois.dtype), rois, spatial_scale, ph, pw, b, c, h, w, sampling_ratio, aligned
     )
-    return g.to(ctx.input_dtype)
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    input, rois, spatial_scale, ph, pw, sampling_ratio, aligned = inputs
-    _save_for_backward(ctx, input, rois, spatial_scale, ph, pw, sampling_ratio, aligned)
-
-
-def _op_backward(ctx, grad: Tensor):
-    grad_input = _input_grad(ctx, grad) if ctx.needs_input_grad[0] else None
-    return grad_input, None, None, None, None, None, None
+    return g.to(ctx.input_dtype), None, None, None, None, None, None
 
 
 def _backward_setup_context(ctx, inputs, output) -> None:
@@ -139,21 +131,6 @@ torch.library.register_autograd("detops::roi_align", _op_backward, setup_context
 torch.library.register_autograd(
     "detops::_roi_align_backward", _backward_backward, setup_context=_backward_setup_context
 )
-
-
-class _RoIAlignFunction(torch.autograd.Function):
-    """maskrcnn-benchmark style autograd.Function over the op; same backward as the op's."""
-
-    @staticmethod
-    def forward(ctx, input: Tensor, rois: Tensor, ph: int, pw: int, spatial_scale: float, sampling_ratio: int, aligned: bool) -> Tensor:
-        _save_for_backward(ctx, input, rois, spatial_scale, ph, pw, sampling_ratio, aligned)
-        return torch.ops.detops.roi_align(input, rois, spatial_scale, ph, pw, sampling_ratio, aligned)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: Tensor):
-        grad_input = _input_grad(ctx, grad) if ctx.needs_input_grad[0] else None
-        return grad_input, None, None, None, None, None, None
 
 
 # --- fake (meta) kernels for torch.compile / export --------------------------------------------

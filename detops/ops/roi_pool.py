@@ -38,8 +38,8 @@ def _backward(ctx, grad_output: Tensor, grad_argmax: Tensor):
         return None, None, None, None, None
     rois, argmax = ctx.saved_tensors
     b, c, h, w = ctx.input_shape
-    # Under autocast the op ran in float32 on casts of the arguments (the Function saw the
-    # original ones): the gradient is taken in the RoIs' dtype and returned in the input's.
+    # Under autocast the op may have run in float32 on casts of the arguments: the gradient is
+    # taken in the RoIs' dtype and returned in the input's.
     grad_input = torch.ops.detops._roi_pool_backward(
         grad_output.to(rois.dtype), rois, argmax, ctx.spatial_scale, *ctx.pooled_size, b, c, h, w
     )
@@ -47,23 +47,6 @@ def _backward(ctx, grad_output: Tensor, grad_argmax: Tensor):
 
 
 torch.library.register_autograd("detops::roi_pool", _backward, setup_context=_setup_context)
-
-
-class _RoIPoolFunction(torch.autograd.Function):
-    """Autograd Function over the dispatcher ops (maskrcnn-benchmark's `_ROIPool`); the same
-    context and backward helpers serve the op's own autograd registration."""
-
-    @staticmethod
-    def forward(input: Tensor, rois: Tensor, spatial_scale: float, pooled_height: int, pooled_width: int):
-        return torch.ops.detops.roi_pool(input, rois, spatial_scale, pooled_height, pooled_width)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        _setup_context(ctx, inputs, output)
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor, grad_argmax: Tensor):
-        return _backward(ctx, grad_output, grad_argmax)
 
 
 def roi_pool(
@@ -89,7 +72,8 @@ def roi_pool(
     """
     rois = boxes_to_rois(boxes, _OP)
     ph, pw = pair(output_size, _OP)
-    output, _ = _RoIPoolFunction.apply(input, rois, float(spatial_scale), ph, pw)
+    # the op's own autograd (an autograd.Function around it would cost Python time per call)
+    output, _ = torch.ops.detops.roi_pool.default(input, rois, float(spatial_scale), ph, pw)
     return output
 
 
