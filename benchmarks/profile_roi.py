@@ -1,6 +1,7 @@
 """Where the time of the CUDA RoI ops goes, on the benchmark inputs of bench_roi.
 
     python -m benchmarks.profile_roi            # torch.profiler: the kernels of each call
+    python -m benchmarks.profile_roi --host     # host time per call against GPU time per call
     ncu --clock-control none -k regex:'band|roi_pool|roi_align' \
         --section SpeedOfLight --section Occupancy python -m benchmarks.profile_roi --once
     # the band forward kernel per dtype and output size, one call each:
@@ -9,6 +10,7 @@
         python -m benchmarks.profile_roi --once --only-forward --dtypes fp32,bf16,fp16 --sizes 7,14
 """
 import argparse
+import time
 
 import torch
 import torchvision
@@ -55,14 +57,59 @@ def cases(only_forward=False, dtypes=("fp32",), sizes=(7,)):
     return out
 
 
+def host_cases():
+    """Forward calls of detops and torchvision on the benchmark inputs."""
+    x = torch.randn(2, 256, 200, 304, device="cuda")
+    rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
+    return {
+        "roi_align fwd 7x7, detops": lambda: detops.ops.roi_align(x, rois, 7, 0.25, 2, True),
+        "roi_align fwd 7x7, torchvision": lambda: torchvision.ops.roi_align(x, rois, 7, 0.25, 2, True),
+        "roi_pool fwd 7x7, detops": lambda: detops.ops.roi_pool(x, rois, 7, 0.25),
+        "roi_pool fwd 7x7, torchvision": lambda: torchvision.ops.roi_pool(x, rois, 7, 0.25),
+    }
+
+
+def host_overhead(calls=20, rounds=15):
+    """Per call: the host's time to issue it while the GPU is busy with a long sleep kernel (so
+    the launches queue without waiting), and the event time of one call timed alone, as the
+    benchmarks time it. The event time includes every host gap before the GPU work starts."""
+    import statistics
+
+    for name, fn in host_cases().items():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        issue = []
+        for _ in range(rounds):
+            torch.cuda._sleep(200_000_000)  # about 0.1 s: longer than issuing the calls
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            issue.append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+        events = []
+        for _ in range(30):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            events.append(start.elapsed_time(end) * 1e3)
+        print(f"| {name} | host {statistics.median(issue):.1f} µs | event {statistics.median(events):.1f} µs |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--once", action="store_true", help="one call of each case (for ncu)")
+    p.add_argument("--host", action="store_true", help="host issue time and event time per forward call")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--only-forward", action="store_true", help="only roi_align forward (band kernel) per dtype and size")
     p.add_argument("--dtypes", default="fp32", help="with --only-forward: fp32,bf16,fp16")
     p.add_argument("--sizes", default="7", help="with --only-forward: output sizes, e.g. 7,14")
     a = p.parse_args()
+    if a.host:
+        host_overhead()
+        return
     sizes = tuple(int(v) for v in a.sizes.split(","))
     for name, (kernel, fn) in cases(a.only_forward, tuple(a.dtypes.split(",")), sizes).items():
         with roi_kernel(kernel):
