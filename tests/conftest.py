@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -35,3 +39,15 @@ def dense_rois(batch, k, height, width, min_side, max_side, scale, seed, spill=0
 def torch_extensions_dir(tmp_path_factory):
     """One TORCH_EXTENSIONS_DIR for the JIT builds of a test session, so each builds once."""
     return tmp_path_factory.mktemp("torch_extensions")
+
+
+def assert_fails_device_assert(code):
+    """Runs `code` in a child Python in the repository root (a device-side assertion poisons
+    the CUDA context of its process) and checks that it failed with one; returns the child's
+    stdout and stderr together (the assertion's text goes to one or the other, depending on
+    the driver)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "assert" in done.stderr.lower(), done.stderr
+    return done.stdout + done.stderr
