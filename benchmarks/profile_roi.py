@@ -10,6 +10,7 @@
         python -m benchmarks.profile_roi --once --only-forward --dtypes fp32,bf16,fp16 --sizes 7,14
 """
 import argparse
+import statistics
 import time
 
 import torch
@@ -73,8 +74,6 @@ def host_overhead(calls=20, rounds=15):
     """Per call: the host's time to issue it while the GPU is busy with a long sleep kernel (so
     the launches queue without waiting), and the event time of one call timed alone, as the
     benchmarks time it. The event time includes every host gap before the GPU work starts."""
-    import statistics
-
     for name, fn in host_cases().items():
         for _ in range(5):
             fn()

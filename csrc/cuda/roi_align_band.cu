@@ -99,20 +99,23 @@ __device__ __forceinline__ void load_taps(const BandTap<acc_t>* __restrict__ src
 
 // Taps of RoI k: PH * G row taps, then PW * G column taps. keys[k * PH + ph]: the owner of bin
 // row (k, ph); tall[k * PH + ph]: 1 when the bin row reads pixel rows past its owner's window.
-// With `check`, a RoI whose batch index is invalid also fails op's device assertion.
+// With `check` (the forward's setup), a RoI whose batch index is invalid also fails roi_align's
+// device assertion.
 template <typename acc_t>
 __global__ void band_taps_kernel(
     int64_t num_rois, const acc_t* __restrict__ rois, int64_t batch, int height, int width,
     int pooled_height, int pooled_width, acc_t scale, int grid, bool aligned, BandPlan plan,
     BandTap<acc_t>* __restrict__ taps, int32_t* __restrict__ keys, uint8_t* __restrict__ tall,
-    bool check, roi_checks::RoIOp op) {
+    bool check) {
   const int per = pooled_height + pooled_width;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_rois * per;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t k = i / per;
     const int j = static_cast<int>(i - k * per);
     const acc_t* roi = rois + k * 5;
-    if (check && j == 0) roi_checks::assert_batch_index(static_cast<double>(roi[0]), batch, op);
+    if (check && j == 0) {
+      roi_checks::assert_batch_index(static_cast<double>(roi[0]), batch, roi_checks::RoIOp::kRoIAlign);
+    }
     const int64_t b = roi_align::roi_batch_index(roi[0], batch);
     const RoIBins<acc_t> r =
         bins_of(roi, scale, pooled_height, pooled_width, int64_t{grid}, aligned);
@@ -575,7 +578,7 @@ BandSetup setup_bands(
     const at::Tensor& rois, int64_t batch, int64_t channels, int64_t height, int64_t width,
     int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned,
     double spatial_scale, const BandPlan& plan, cudaStream_t stream, int64_t channel_step = 1,
-    const roi_checks::RoIOp* check = nullptr) {
+    bool check = false) {
   BandSetup s;
   s.plan = plan;
   const int64_t num_rois = rois.size(0);
@@ -597,8 +600,7 @@ BandSetup setup_bands(
       num_rois, rois.const_data_ptr<acc_t>(), batch, static_cast<int>(height),
       static_cast<int>(width), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
       static_cast<acc_t>(spatial_scale), static_cast<int>(sampling_ratio), aligned, s.plan,
-      reinterpret_cast<BandTap<acc_t>*>(s.scratch.data_ptr<uint8_t>()), keys, s.tall, check != nullptr,
-      check != nullptr ? *check : roi_checks::RoIOp::kRoIAlign);
+      reinterpret_cast<BandTap<acc_t>*>(s.scratch.data_ptr<uint8_t>()), keys, s.tall, check);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   plane_band::group_by_owner_kernel<int32_t><<<1, plane_band::kGroupThreads, 0, stream>>>(
       keys, static_cast<int32_t>(s.rows_total), static_cast<int32_t>(s.num_keys + 1), counts, offsets,
@@ -642,8 +644,6 @@ bool roi_align_forward_band(
     return false;
   }
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  // the caller leaves the batch-index check to the taps kernel
-  static constexpr roi_checks::RoIOp kCheck = roi_checks::RoIOp::kRoIAlign;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_align", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     // Two channels per staged band where a band of pairs still holds enough rows.
@@ -652,7 +652,7 @@ bool roi_align_forward_band(
     const BandSetup s = setup_bands<acc_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
         spatial_scale, pairs ? pair_plan : band_plan(height, width, input.element_size()), stream,
-        pairs ? 2 : 1, &kCheck);
+        pairs ? 2 : 1, /*check=*/true);  // the caller leaves the batch-index check to the setup
     // one more column of blocks: those of the discard key, which write its bins' zeros
     const dim3 grid(s.grid.x + 1, s.grid.y);
     auto launch = [&](auto kernel) {
