@@ -480,16 +480,22 @@ def test_cuda_deterministic_backward(dtype):
 
 
 @pytest.mark.cuda
-def test_cuda_invalid_batch_index_asserts():
-    # a device-side assertion poisons the CUDA context, so it fires in a child process
+@pytest.mark.parametrize("kernel", ["gather", "band"])
+def test_cuda_invalid_batch_index_asserts(kernel):
+    # the tile forward checks batch indices in its keys kernel, the gather kernels in a kernel
+    # of their own; either way a device assertion names the op. It poisons the CUDA context,
+    # so it fires in a child process.
     code = (
         "import torch, detops\n"
-        "x = torch.randn(2, 3, 8, 8, device='cuda')\n"
-        "rois = torch.tensor([[5.0, 0, 0, 4, 4]], device='cuda')\n"
-        "torch.ops.detops.roi_pool(x, rois, 1.0, 2, 2)\n"
+        "from detops.ops._utils import roi_kernel\n"
+        "x = torch.randn(2, 3, 40, 40, device='cuda')\n"
+        "rois = torch.tensor([[0.0, 0, 0, 30, 30]] * 50 + [[5.0, 0, 0, 4, 4]], device='cuda')\n"
+        f"with roi_kernel('{kernel}'):\n"
+        "    torch.ops.detops.roi_pool(x, rois, 1.0, 2, 2)\n"
         "torch.cuda.synchronize()\n"
     )
-    assert_fails_device_assert(code)
+    out = assert_fails_device_assert(code)
+    assert "detops.roi_pool: rois[:, 0]" in out, out
 
 
 @pytest.mark.cuda
@@ -535,7 +541,8 @@ def _integer_grad(shape, dtype, seed=0):
 
 def _check_cuda_against_cpu(x, rois, scale, ph, pw, layouts=LAYOUTS, backward=True):
     """Forward (values, argmax) and both backward variants on CUDA equal the CPU kernel, with
-    the gather kernels and with the plane-band kernels (which take contiguous NCHW input)."""
+    the gather kernels and with the shared-memory kernels (the tile forward, any layout; the
+    band backward)."""
     from detops.ops._utils import roi_kernel
 
     out, arg = op(x, rois, scale, ph, pw)
@@ -676,20 +683,24 @@ def test_cuda_backward_fp16_accumulates_in_float32():
     assert gi[0, 0, 1, 1].item() == torch.tensor(300 * 0.0999755859375).half().item()
 
 
-# ------------------------------------------------- CUDA plane-band kernels
+# ------------------------------------------------- CUDA shared-memory kernels
 #
-# (batch, channels, height, width, rois, min side, max side, spill, pooled size). float32
-# planes 600 wide stage 27-row windows (5 bands of 21 rows for H = 100), so RoIs 90 rows tall
-# have bins taller than the 6-row overlap (read from global memory in the forward, added by
-# the tail kernel in the backward); 1300 RoIs on one 64 x 64 map give one block more bin rows
-# than it holds at once (several rounds in the forward, ids read from global memory in the
-# backward).
+# (batch, channels, height, width, rois, min side, max side, spill, pooled size).
+# Forward (tiles): on an SM with 227 KiB of shared memory a block stages windows of up to
+# 1551 pixels (775 for float64) around tiles of 19 x 19 (13 x 13); bins larger than a window
+# ("bands, tall bins", "spilling RoIs") are read from global memory; 1300 RoIs on one 64 x 64
+# map give tiles more bins than a block holds at once (several rounds); 70 channels make full
+# and partial channel groups (32 channels per group, 64 for 16-bit types).
+# Backward (bands): float32 planes 600 wide stage 27-row windows (5 bands of 21 rows for
+# H = 100), so RoIs 90 rows tall have bins taller than the 6-row overlap (added by the tail
+# kernel); the 1300 RoIs give one block more bin rows than it holds ids for in shared memory.
 POOL_BAND_CASES = {
     "one band": (2, 8, 40, 56, 300, 2, 30, 0.0, (7, 7)),
     "bands, tall bins": (1, 5, 100, 600, 400, 2, 90, 0.1, (7, 7)),
     "odd sizes": (3, 4, 97, 301, 500, 1, 97, 0.2, (14, 14)),
     "spilling RoIs": (2, 3, 120, 400, 200, 4, 200, 0.5, (3, 5)),
     "many RoIs": (1, 3, 64, 64, 1300, 1, 20, 0.0, (7, 7)),
+    "channel groups": (2, 70, 50, 76, 256, 2, 40, 0.0, (7, 7)),
 }
 
 
@@ -700,7 +711,7 @@ def test_cuda_band_kernels_match_cpu(case, dtype):
     batch, c, h, w, k, lo, hi, spill, pooled = POOL_BAND_CASES[case]
     x = distinct_input((batch, c, h, w), seed=len(case)).to(dtype)
     rois = dense_rois(batch, k, h, w, lo, hi, 0.25, seed=k, spill=spill).to(dtype)
-    _check_cuda_against_cpu(x, rois, 0.25, *pooled, layouts=["contiguous"])
+    _check_cuda_against_cpu(x, rois, 0.25, *pooled)
 
 
 @pytest.mark.cuda
@@ -728,8 +739,9 @@ def test_cuda_band_backward_adds_any_argmax():
 
 @pytest.mark.cuda
 def test_cuda_band_kernels_run_when_chosen():
-    # Under 'auto' the band kernels run for bins dense on the map, the gather kernels for
-    # sparse ones, for channels_last input and for the deterministic backward.
+    # Under 'auto' the shared-memory kernels (tile forward, band backward) run for bins dense
+    # on the map, the gather kernels for sparse ones and for the deterministic backward; the
+    # tile forward takes channels_last input too.
     from torch.profiler import ProfilerActivity, profile
 
     from detops.ops._utils import roi_kernel
@@ -744,13 +756,15 @@ def test_cuda_band_kernels_run_when_chosen():
         return " ".join(e.name for e in prof.events())
 
     names = kernels("auto", x, dense)
-    assert "band_forward" in names and "band_backward" in names
-    assert "band_" not in kernels("auto", x, dense[:8])
-    assert "band_" not in kernels("gather", x, dense)
+    assert "tile_forward" in names and "band_backward" in names
+    names = kernels("auto", x, dense[:8])
+    assert "tile_" not in names and "band_" not in names
+    names = kernels("gather", x, dense)
+    assert "tile_" not in names and "band_" not in names
     names = kernels("band", x, dense[:8])
-    assert "band_forward" in names and "band_backward" in names
+    assert "tile_forward" in names and "band_backward" in names
     xcl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
-    assert "band_forward" not in kernels("band", xcl, dense)
+    assert "tile_forward" in kernels("auto", xcl, dense)
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:

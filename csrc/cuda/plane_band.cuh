@@ -145,14 +145,6 @@ __device__ __forceinline__ void stage_rows(
   }
 }
 
-// stage_rows of one plane.
-template <typename T>
-__device__ __forceinline__ void stage_rows(
-    const T* __restrict__ plane, int width, const BandPlan& p, BandRows rows, T* __restrict__ smem) {
-  const T* const planes[1] = {plane};
-  stage_rows<T, 1>(planes, width, p, rows, smem);
-}
-
 // Whether staged row r of band `bi` is also staged by a neighbouring band: such rows are
 // zeroed beforehand (zero_shared_rows) and added to with atomics, every other row is stored.
 __device__ __forceinline__ bool shared_row(const BandPlan& plan, int bi, int r) {

@@ -1,8 +1,10 @@
 // RoIPool (max) forward and backward on CUDA.
 //
-// Forward: the work is ordered channel by channel (all RoIs of channel 0, then channel 1, ...),
-// so the RoIs in flight read one or two feature planes that stay in L2; two kernels, both
-// reading the input through its strides (no copy) and both giving the CPU kernel's results:
+// Forward: dense RoIs (many bins per pixel of the map) go through shared-memory tiles with a
+// lane per channel (roi_pool_tile.cu). Otherwise the work is ordered channel by channel (all
+// RoIs of channel 0, then channel 1, ...), so the RoIs in flight read one or two feature
+// planes that stay in L2; two kernels, both reading the input through its strides (no copy)
+// and both giving the CPU kernel's results:
 //   * rows (channel-first layouts such as NCHW): a warp per (block of 8 channels, RoI, bin
 //     row ph), which computes the RoI and bin geometry once for its channels. Its lanes split into groups of g lanes (a power of two sized to the bin width), one group
 //     per bin of the row; the lanes of a group read adjacent columns of the bin, so each
@@ -50,13 +52,15 @@
 namespace detops {
 namespace ops {
 
-// roi_pool_band.cu: dense RoIs on NCHW maps through shared-memory plane bands; false for
-// inputs the band kernels do not take (or roi_kernel() rules out). The backward returns
-// grad_input in the accumulation type, or an undefined tensor when the band kernels do not
-// take the inputs.
-bool roi_pool_forward_band(
+// roi_pool_tile.cu: the forward of dense RoIs through shared-memory tiles, a lane per channel
+// (it checks the batch indices itself); false for inputs it does not take (or roi_kernel()
+// rules out).
+bool roi_pool_forward_tile(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, at::Tensor& output, at::Tensor& argmax);
+// roi_pool_band.cu: the backward of dense RoIs on NCHW maps through shared-memory plane
+// bands: grad_input in the accumulation type, or an undefined tensor when the band kernels do
+// not take the inputs.
 at::Tensor roi_pool_backward_band(
     const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
     double spatial_scale, int64_t pooled_height, int64_t pooled_width, int64_t batch,
@@ -358,10 +362,10 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
   at::Tensor argmax = at::empty(output.sizes(), input.options().dtype(at::kInt));
   if (output.numel() == 0) return {output, argmax};
   const at::Tensor rois = rois_in.contiguous();
-  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIPool, rois, input.size(0));
-  if (roi_pool_forward_band(input, rois, spatial_scale, pooled_height, pooled_width, output, argmax)) {
+  if (roi_pool_forward_tile(input, rois, spatial_scale, pooled_height, pooled_width, output, argmax)) {
     return {output, argmax};
   }
+  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIPool, rois, input.size(0));
   // channels kernel when the channels are the unit-stride dimension (channels_last)
   const bool channels_kernel = input.size(1) > 1 && input.stride(1) == 1;
   const int64_t groups =

@@ -1,26 +1,19 @@
-// RoIPool on CUDA through plane bands (plane_band.cuh), for dense RoIs on NCHW maps.
+// RoIPool backward on CUDA through plane bands (plane_band.cuh), for dense RoIs on NCHW maps
+// (the forward of dense RoIs is roi_pool_tile.cu).
 //
-// The kernels of roi_pool.cu scan every bin from global memory: each element of a bin is a
-// separate L2 read, and overlapping RoIs read the same pixels again, so a dense set of RoIs
-// moves the map through L2 many times per channel. Here a block per (image, band of rows,
-// group of channels) serves every bin row its band owns from a shared-memory copy of the band:
+// The atomic backward of roi_pool.cu adds every gradient into grad_input in global memory, so
+// the many RoIs of a dense set add to the same pixels through L2 atomics. Here a block per
+// (image, band of rows, group of channels) accumulates the bin rows its band owns in shared
+// memory:
 //   1. roi_pool_owner_kernel keys each bin row (k, ph) by the band holding its first pixel row,
 //      image * bands + band; the bin rows of a RoI whose batch index is invalid get the extra
-//      key B * bands;
+//      key B * bands (they add nothing);
 //   2. group_by_owner_kernel lists the bin rows of each key;
-//   3. forward: a block copies the geometry of its bin rows into shared memory (in rounds of
-//      at most kListCapacity), then, for each channel of its group, stages the band and scans
-//      the listed bin rows, a warp per bin row: a group of lanes per bin, the lanes of a group
-//      splitting the bin's pixel rows (pool_bin_row), combined by the tie rule of the rows
-//      kernel of roi_pool.cu, so the value and argmax are those of the sequential scan. Pixel
-//      rows past the staged window are read from global memory. The block of the extra key
-//      writes the empty bins (0, argmax -1) of invalid RoIs.
-//   4. backward (the default, non-deterministic one): a block adds the gradients of its bin
-//      rows at their argmax pixels into a shared-memory band (shared-memory atomics) and
-//      writes the band out: rows only it stages are stored, rows two bands stage are added to
-//      (zeroed beforehand), so grad_input needs no zeroing. roi_pool_band_tail_kernel then adds,
-//      with global atomics, the gradients whose argmax lies outside their block's window
-//      (those of bin rows taller than the window reaches).
+//   3. a block adds the gradients of its bin rows at their argmax pixels into a shared-memory
+//      band (shared-memory atomics) and writes the band out: rows only it stages are stored,
+//      rows two bands stage are added to (zeroed beforehand), so grad_input needs no zeroing.
+//      roi_pool_band_tail_kernel then adds, with global atomics, the gradients whose argmax
+//      lies outside their block's window (those of bin rows taller than the window reaches).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/Atomic.cuh>
@@ -34,7 +27,6 @@
 #include "../detops.h"
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
-#include "roi_pool_rows.cuh"
 
 namespace detops {
 namespace ops {
@@ -43,41 +35,18 @@ namespace {
 
 using plane_band::BandPlan;
 using plane_band::BandRows;
-using roi_pool_cuda::take_better;
 
 constexpr int kPoolBandThreads = 512;
-constexpr int kPoolWarps = kPoolBandThreads / 32;
 constexpr int64_t kPoolBandBudget = 64 * 1024;  // bytes of a staged band: two blocks fit an SM
-constexpr int kListCapacity = 1024;  // forward: bin rows whose geometry a block holds at once
-constexpr int kRowCapacity = 8192;   // backward: bin-row ids a block holds in shared memory
-constexpr unsigned kFullMask = 0xffffffffu;
-// Shared memory a block holds beside the band: the forward's bin-row list (PoolRow<double> is
-// 32 bytes) or the backward's row ids, whichever is larger, plus alignment.
-constexpr int64_t kPoolListBytes = std::max<int64_t>(kListCapacity * 32, kRowCapacity * 4) + 16;
-
-// One bin row (k, ph) of a block's list, as the forward reads it.
-template <typename acc_t>
-struct PoolRow {
-  int32_t k, ph;
-  int32_t h0, h1;   // pixel rows [h0, h1), clamped to the map (h1 <= h0: empty)
-  int32_t start_w;  // the RoI's first column, as roi_pool_box gives it
-  acc_t bin_w;
-};
+constexpr int kRowCapacity = 8192;  // bin-row ids a block holds in shared memory
+// Shared memory a block holds beside the band: the row ids, plus alignment.
+constexpr int64_t kPoolListBytes = kRowCapacity * 4 + 16;
 
 struct PoolShape {
   int64_t batch, channels;
   int height, width, pooled_height, pooled_width;
   int channels_per_block;
-  int parts;  // forward: lanes per bin (a power of two; 32 / parts bins per pass)
 };
-
-// Lanes per bin for a row of pw_n bins: 32 over the bins a pass covers (pw_n rounded up to a
-// power of two, at most 32).
-int parts_for(int64_t pw_n) {
-  int bins = 1;
-  while (bins < pw_n && bins < 32) bins *= 2;
-  return 32 / bins;
-}
 
 template <typename scalar_t>
 __device__ __forceinline__ geometry::RoiPoolBox<at::opmath_type<scalar_t>> box_of(
@@ -110,132 +79,6 @@ __global__ void roi_pool_owner_kernel(
     const int64_t last = std::min<int64_t>(sh.height, band * plan.core + plan.core + plan.overlap);
     keys[i] = box.batch < 0 ? invalid_key : static_cast<int32_t>(box.batch * plan.bands + band);
     tall[i] = box.batch >= 0 && h1 > last ? 1 : 0;
-  }
-}
-
-// The running maximum of one lane over row `row` (pixel row h) of a bin, columns [w0, w1),
-// in row-major order: the first maximum wins, NaN never does.
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ void scan_bin_row_segment(
-    const scalar_t* __restrict__ row, int32_t row_base, int w0, int w1, acc_t& best, int32_t& best_i) {
-#pragma unroll 4
-  for (int w = w0; w < w1; ++w) {
-    const acc_t v = static_cast<acc_t>(row[w]);
-    const bool gt = v > best;  // selects, not branches: lanes of a warp scan unequal bins
-    best = gt ? v : best;
-    best_i = gt ? row_base + w : best_i;
-  }
-}
-
-// Forward of one bin row for one channel, by one warp. The warp's lanes form groups of
-// sh.parts lanes, a group per bin (32 / parts bins per pass); lane `part` of a group scans
-// rows h0 + part, h0 + part + parts, ... of its bin, each row left to right, so every lane of
-// the warp works on the same bin row and the work splits evenly whatever the RoI sizes.
-// The parts then combine by (larger value, then smaller row-major index), which gives the
-// bin's first maximum in row-major order, as the sequential scan does.
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ void pool_bin_row(
-    const PoolRow<acc_t>& r, const scalar_t* __restrict__ band, const scalar_t* __restrict__ plane,
-    BandRows window, int stride, const PoolShape& sh, int64_t out_row, scalar_t* __restrict__ output,
-    int32_t* __restrict__ argmax) {
-  const acc_t lowest = geometry::roi_pool_lowest<acc_t>();
-  const int lane = threadIdx.x % 32;
-  const int width = sh.width, pw_n = sh.pooled_width, parts = sh.parts;
-  const int part = lane % parts, slot = lane / parts, per_pass = 32 / parts;
-  const int staged_end = min(r.h1, window.last);  // rows [h0, staged_end) are in the band
-  for (int pw0 = 0; pw0 < pw_n; pw0 += per_pass) {
-    const int pw = pw0 + slot;
-    int64_t w0 = 0, w1 = 0;
-    if (pw < pw_n) {  // the column range of roi_pool_bin
-      w0 = static_cast<int64_t>(geometry::floor_of(static_cast<acc_t>(pw) * r.bin_w));
-      w1 = static_cast<int64_t>(geometry::ceil_of(static_cast<acc_t>(pw + 1) * r.bin_w));
-      w0 = geometry::clamp_i64(w0 + r.start_w, 0, width);
-      w1 = geometry::clamp_i64(w1 + r.start_w, 0, width);
-    }
-    const bool live = pw < pw_n && r.h1 > r.h0 && w1 > w0;
-    acc_t best = lowest;
-    int32_t best_i = -1;
-    if (live) {
-      const int c0 = static_cast<int>(w0), c1 = static_cast<int>(w1);
-      int h = r.h0 + part;
-      for (; h < staged_end; h += parts) {
-        scan_bin_row_segment(band + (h - window.first) * stride, h * width, c0, c1, best, best_i);
-      }
-      for (; h < r.h1; h += parts) {
-        scan_bin_row_segment(plane + static_cast<int64_t>(h) * width, h * width, c0, c1, best, best_i);
-      }
-    }
-    for (int offset = parts / 2; offset > 0; offset /= 2) {
-      const acc_t other = __shfl_xor_sync(kFullMask, best, offset);
-      const int32_t other_i = __shfl_xor_sync(kFullMask, best_i, offset);
-      take_better(other, other_i, best, best_i);
-    }
-    if (part == 0 && pw < pw_n) {
-      output[out_row + pw] = live ? static_cast<scalar_t>(best) : scalar_t(0);
-      argmax[out_row + pw] = live ? best_i : -1;
-    }
-  }
-}
-
-template <typename scalar_t>
-__global__ void __launch_bounds__(kPoolBandThreads) roi_pool_band_forward_kernel(
-    const scalar_t* __restrict__ input, const scalar_t* __restrict__ rois,
-    at::opmath_type<scalar_t> scale, const int32_t* __restrict__ offsets,
-    const int32_t* __restrict__ rows, PoolShape sh, BandPlan plan, int64_t list_offset,
-    scalar_t* __restrict__ output, int32_t* __restrict__ argmax) {
-  using acc_t = at::opmath_type<scalar_t>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  scalar_t* band = reinterpret_cast<scalar_t*>(smem);
-  PoolRow<acc_t>* list = reinterpret_cast<PoolRow<acc_t>*>(smem + list_offset);
-  const int64_t key = blockIdx.x;
-  const int32_t first_row = offsets[key];
-  const int n = offsets[key + 1] - first_row;
-  if (n == 0) return;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
-  const int nc = static_cast<int>(min(sh.channels - c0, static_cast<int64_t>(sh.channels_per_block)));
-  const int ph_n = sh.pooled_height, pw_n = sh.pooled_width;
-  if (key == sh.batch * plan.bands) {  // bin rows of RoIs with an invalid batch index
-    const int64_t per_row = static_cast<int64_t>(nc) * pw_n;
-    for (int64_t i = threadIdx.x; i < n * per_row; i += blockDim.x) {
-      const int64_t e = i / per_row, rem = i - e * per_row;
-      const int64_t ci = rem / pw_n, pw = rem - ci * pw_n;
-      const int32_t row = rows[first_row + e];
-      const int64_t k = row / ph_n, ph = row - k * ph_n;
-      const int64_t o = ((k * sh.channels + c0 + ci) * ph_n + ph) * pw_n + pw;
-      output[o] = scalar_t(0);
-      argmax[o] = -1;
-    }
-    return;
-  }
-  const int bi = static_cast<int>(key % plan.bands);
-  const int64_t b = key / plan.bands;
-  const BandRows window = plane_band::band_rows(plan, bi, sh.height);
-  const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
-  const int warp = threadIdx.x / 32;
-  for (int round = 0; round < n; round += kListCapacity) {
-    const int m = min(kListCapacity, n - round);
-    if (round > 0) __syncthreads();  // the previous round reads neither the list nor the band
-    for (int i = threadIdx.x; i < m; i += blockDim.x) {
-      const int32_t row = rows[first_row + round + i];
-      const int32_t k = row / ph_n, ph = row - k * ph_n;
-      const auto box = box_of(rois, k, scale, sh);
-      int64_t h0, h1, w0, w1;
-      geometry::roi_pool_bin(box, int64_t{ph}, 0, sh.height, sh.width, h0, h1, w0, w1);
-      list[i] = PoolRow<acc_t>{k, ph, static_cast<int32_t>(h0), static_cast<int32_t>(h1),
-                               static_cast<int32_t>(box.start_w), box.bin_w};
-    }
-    for (int ci = 0; ci < nc; ++ci) {
-      const int64_t c = c0 + ci;
-      const scalar_t* plane = input + (b * sh.channels + c) * plane_size;
-      __syncthreads();  // the list is written; the previous channel's band is no longer read
-      plane_band::stage_rows(plane, sh.width, plan, window, band);
-      __syncthreads();
-      for (int e = warp; e < m; e += kPoolWarps) {
-        const PoolRow<acc_t> r = list[e];
-        const int64_t out_row = ((static_cast<int64_t>(r.k) * sh.channels + c) * ph_n + r.ph) * pw_n;
-        pool_bin_row(r, band, plane, window, plan.stride, sh, out_row, output, argmax);
-      }
-    }
   }
 }
 
@@ -362,7 +205,7 @@ __global__ void roi_pool_band_tail_kernel(
 // when the bins are dense on the map (see BENCHMARKS.md for the measurements behind the
 // thresholds).
 bool pool_band_applies(
-    bool forward, int64_t batch, int64_t channels, int64_t height, int64_t width,
+    int64_t batch, int64_t channels, int64_t height, int64_t width,
     int64_t num_rois, int64_t pooled_height, int64_t pooled_width, int64_t elem_bytes,
     bool input_nchw) {
   const RoIKernel choice = roi_kernel();
@@ -374,7 +217,7 @@ bool pool_band_applies(
   if (choice == RoIKernel::kBand) return true;
   const double bins = static_cast<double>(num_rois) * pooled_height * pooled_width;
   const double pixels = static_cast<double>(batch) * height * width;
-  return forward ? 4.0 * bins >= pixels : 8.0 * bins >= pixels;
+  return 8.0 * bins >= pixels;
 }
 
 // Bin rows keyed and grouped by owner, and the launch shape.
@@ -412,7 +255,7 @@ PoolSetup setup_pool_bands(
   s.groups = cuda::ceil_div(channels, per_block);
   s.shape = PoolShape{batch, channels, static_cast<int>(height), static_cast<int>(width),
                       static_cast<int>(pooled_height), static_cast<int>(pooled_width),
-                      static_cast<int>(per_block), parts_for(pooled_width)};
+                      static_cast<int>(per_block)};
   roi_pool_owner_kernel<scalar_t><<<cuda::grid_for(s.rows_total, 256), 256, 0, stream>>>(
       s.rows_total, rois.const_data_ptr<scalar_t>(), static_cast<acc_t>(spatial_scale), s.shape,
       s.plan, s.keys(), s.tall(), s.stray());
@@ -430,41 +273,12 @@ int64_t align16(int64_t bytes) {
 
 }  // namespace
 
-bool roi_pool_forward_band(
-    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, at::Tensor& output, at::Tensor& argmax) {
-  const int64_t batch = input.size(0), channels = input.size(1);
-  const int64_t height = input.size(2), width = input.size(3);
-  if (!pool_band_applies(true, batch, channels, height, width, rois.size(0), pooled_height,
-                         pooled_width, input.element_size(), input.is_contiguous())) {
-    return false;
-  }
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_pool", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const PoolSetup s = setup_pool_bands<scalar_t>(
-        rois, batch, channels, height, width, pooled_height, pooled_width, spatial_scale,
-        input.element_size(), stream);
-    const int64_t list_offset = align16(s.plan.smem_bytes);
-    const int64_t smem = list_offset + kListCapacity * static_cast<int64_t>(sizeof(PoolRow<acc_t>));
-    auto kernel = roi_pool_band_forward_kernel<scalar_t>;
-    plane_band::allow_smem(kernel, smem);
-    const dim3 grid(static_cast<unsigned>(s.num_keys), static_cast<unsigned>(s.groups));
-    kernel<<<grid, kPoolBandThreads, static_cast<size_t>(smem), stream>>>(
-        input.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(),
-        static_cast<acc_t>(spatial_scale), s.offsets(), s.rows(), s.shape, s.plan, list_offset,
-        output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return true;
-}
-
 at::Tensor roi_pool_backward_band(
     const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
     double spatial_scale, int64_t pooled_height, int64_t pooled_width, int64_t batch,
     int64_t channels, int64_t height, int64_t width) {
   const auto acc_type = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  if (!pool_band_applies(false, batch, channels, height, width, rois.size(0), pooled_height,
+  if (!pool_band_applies(batch, channels, height, width, rois.size(0), pooled_height,
                          pooled_width, c10::elementSize(acc_type), true)) {
     return at::Tensor();
   }

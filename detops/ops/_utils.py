@@ -42,10 +42,12 @@ def boxes_to_rois(boxes: Union[Tensor, List[Tensor]], op: str) -> Tensor:
 
 @contextlib.contextmanager
 def roi_kernel(name: str) -> Iterator[None]:
-    """Within the block, roi_align and roi_pool on CUDA NCHW input use the chosen kernels:
-    'auto' (the default: shared-memory plane bands for dense RoIs, global gathers otherwise),
-    'band' (bands whenever the shapes allow) or 'gather' (never bands). Process-wide; for
-    benchmarks and tests that compare the kernels."""
+    """Within the block, roi_align and roi_pool on CUDA use the chosen kernels: 'auto' (the
+    default: shared-memory kernels for dense RoIs, global gathers otherwise), 'band' (the
+    shared-memory kernels whenever the shapes allow) or 'gather' (never them). The
+    shared-memory kernels are plane bands for NCHW input (roi_align, and roi_pool's backward)
+    and channel tiles for any layout (roi_pool's forward). Process-wide; for benchmarks and
+    tests that compare the kernels."""
     from detops import _C
 
     previous = _C._set_roi_kernel(name)

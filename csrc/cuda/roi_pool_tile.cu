@@ -1,0 +1,431 @@
+// RoIPool forward on CUDA through shared-memory tiles with a lane per channel, for dense RoIs.
+//
+// A bin's maximum is a scan of its pixels in row-major order. Spreading one channel's pixels
+// over the lanes of a warp (the kernels of roi_pool.cu) makes every lane walk a different bin
+// shape, and the per-lane bookkeeping costs several times the loads. Here the 32 lanes of a
+// warp hold 32 channels (64 for 16-bit types, two per lane) of the same bin, so every lane
+// runs the same loop: one shared-memory load serves 32 channels, conflict-free, and the scan
+// is the sequential one, so values and argmax are those of the CPU kernel.
+//
+// The feature map is cut into tiles of core x core pixels:
+//   1. roi_pool_tile_keys_kernel keys each bin (k, ph, pw) by the tile holding its first pixel,
+//      image * tiles + tile; empty bins and the bins of RoIs with an invalid batch index get
+//      the extra key B * tiles (and such an index fails a device assertion, as
+//      roi_checks::check_batch_indices_async would);
+//   2. group_by_owner_kernel (plane_band.cuh) lists the bins of each key;
+//   3. roi_pool_tile_forward_kernel: a block per (key, group of channels) copies the geometry
+//      of its bins into shared memory, takes the bounding window of their pixels (from the
+//      tile's corner to the furthest bin end, cut down to the staging capacity), stages that
+//      window of its channels (pixel-major: a pixel's channels are adjacent, 33 words apart
+//      from the next pixel so that both the staging stores and the scans are conflict-free),
+//      and scans its bins, a warp per bin. A bin reaching past the staged window is read from
+//      global memory instead (same scan, same result). The block of the extra key writes the
+//      empty bins (0, argmax -1).
+// The input is read through its strides: contiguous NCHW is staged a pixel at a time along
+// rows, channels_last a pixel's channels at a time, both as whole 32-byte sectors.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "../common/roi_pool_geometry.h"
+#include "../detops.h"
+#include "cuda_helpers.h"
+#include "plane_band.cuh"
+#include "roi_checks.cuh"
+
+namespace detops {
+namespace ops {
+
+namespace {
+
+constexpr int kTileThreads = 1024;
+constexpr int kTileWarps = kTileThreads / 32;
+constexpr int kPixelWords = 33;  // words per staged pixel: one per lane, plus one of padding
+constexpr int kTileList = 512;   // bins whose geometry a block holds at once
+constexpr int64_t kTileBudget = 200 * 1024;  // bytes of a staged window: one block per SM
+
+// Channels per lane: two for 16-bit types (a 32-bit word per lane), one otherwise.
+template <typename scalar_t>
+constexpr int lane_channels() {
+  return sizeof(scalar_t) == 2 ? 2 : 1;
+}
+
+// One bin of a block's list.
+struct TileBin {
+  int32_t k, r;  // RoI and bin r = ph * PW + pw
+  int32_t h0, h1, w0, w1;
+};
+
+struct TileShape {
+  int64_t batch, channels;
+  int height, width, pooled_height, pooled_width;
+  int64_t s_b, s_c, s_h, s_w;  // input strides
+  bool channels_inner;         // stride(1) == 1: stage a pixel's channels together
+};
+
+struct TilePlan {
+  int core = 0;          // tile side in pixels
+  int tiles_y = 0, tiles_x = 0;
+  int capacity = 0;      // pixels a staged window holds
+  bool ok = false;
+};
+
+// Tiles whose side is half the side of the largest square window, so that a window holds a
+// tile plus as much again of the bins that start in it.
+TilePlan plan_tiles(int64_t height, int64_t width, int64_t word_bytes, int64_t budget) {
+  TilePlan p;
+  const int64_t capacity = budget / (kPixelWords * word_bytes);
+  if (capacity < 64 || height <= 0 || width <= 0) return p;
+  p.capacity = static_cast<int>(capacity);
+  p.core = std::max(4, static_cast<int>(std::sqrt(static_cast<double>(capacity))) / 2);
+  p.tiles_y = static_cast<int>(cuda::ceil_div(height, int64_t{p.core}));
+  p.tiles_x = static_cast<int>(cuda::ceil_div(width, int64_t{p.core}));
+  p.ok = true;
+  return p;
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ geometry::RoiPoolBox<at::opmath_type<scalar_t>> tile_box(
+    const scalar_t* __restrict__ rois, int64_t k, at::opmath_type<scalar_t> scale, const TileShape& sh) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t* r = rois + k * 5;
+  return geometry::roi_pool_box<acc_t>(
+      static_cast<acc_t>(r[0]), static_cast<acc_t>(r[1]), static_cast<acc_t>(r[2]),
+      static_cast<acc_t>(r[3]), static_cast<acc_t>(r[4]), scale, sh.batch, sh.pooled_height,
+      sh.pooled_width);
+}
+
+// keys[i] for bin i = (k * PH + ph) * PW + pw: its tile, or the extra key for empty bins.
+template <typename scalar_t>
+__global__ void roi_pool_tile_keys_kernel(
+    int64_t total, const scalar_t* __restrict__ rois, at::opmath_type<scalar_t> scale,
+    TileShape sh, TilePlan plan, int32_t* __restrict__ keys) {
+  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * sh.pooled_width;
+  const int32_t tiles = plan.tiles_y * plan.tiles_x;
+  const int32_t extra = static_cast<int32_t>(sh.batch * tiles);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+    const int64_t k = i / bins, r = i - k * bins;
+    if (r == 0) {
+      roi_checks::assert_batch_index(static_cast<double>(rois[k * 5]), sh.batch, roi_checks::RoIOp::kRoIPool);
+    }
+    const int64_t ph = r / sh.pooled_width, pw = r - ph * sh.pooled_width;
+    const auto box = tile_box(rois, k, scale, sh);
+    int64_t h0, h1, w0, w1;
+    const bool live = geometry::roi_pool_bin(box, ph, pw, sh.height, sh.width, h0, h1, w0, w1);
+    keys[i] = live ? static_cast<int32_t>((box.batch * plan.tiles_y + h0 / plan.core) * plan.tiles_x + w0 / plan.core)
+                   : extra;
+  }
+}
+
+// Folds N consecutive pixels of a row into a lane's running maxima of its V channels: px(j)
+// is the lane's word at the row's pixel j, idx the flat index of pixel 0. The first maximum
+// wins and NaN never does.
+template <int N, int V, typename acc_t, typename Px>
+__device__ __forceinline__ void take_pixels(Px px, int32_t idx, acc_t (&best)[V], int32_t (&best_i)[V]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const auto word = px(j);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const acc_t v = static_cast<acc_t>(word.v[e]);
+      const bool gt = v > best[e];  // selects, not branches
+      best[e] = gt ? v : best[e];
+      best_i[e] = gt ? idx + j : best_i[e];
+    }
+  }
+}
+
+// The row-major scan of a bin from the staged window: `rows` rows of 8 * chunks + R pixels,
+// p the lane's word of the bin's first pixel. The pixels of a row are taken 8 at a time and
+// then R at a time, unrolled, so that every load has a constant offset.
+template <int R, int V, typename acc_t, typename Word>
+__device__ __forceinline__ void scan_staged(
+    const Word* __restrict__ p, int row_words, int rows, int chunks, int32_t idx, int width,
+    acc_t (&best)[V], int32_t (&best_i)[V]) {
+  for (int h = 0; h < rows; ++h, p += row_words, idx += width) {
+    const Word* q = p;
+    int32_t i = idx;
+#pragma unroll 1
+    for (int c = 0; c < chunks; ++c, q += 8 * kPixelWords, i += 8) {
+      take_pixels<8, V, acc_t>([q](int j) { return q[j * kPixelWords]; }, i, best, best_i);
+    }
+    take_pixels<R, V, acc_t>([q](int j) { return q[j * kPixelWords]; }, i, best, best_i);
+  }
+}
+
+template <int V, typename acc_t, typename Word>
+__device__ __forceinline__ void scan_staged_bin(
+    const Word* __restrict__ p, int row_words, int rows, int cols, int32_t idx, int width,
+    acc_t (&best)[V], int32_t (&best_i)[V]) {
+  const int chunks = cols / 8;
+  switch (cols % 8) {
+    case 0: scan_staged<0, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 1: scan_staged<1, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 2: scan_staged<2, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 3: scan_staged<3, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 4: scan_staged<4, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 5: scan_staged<5, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 6: scan_staged<6, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    default: scan_staged<7, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+  }
+}
+
+// Copies one staged word: an asynchronous global-to-shared copy where the word is one element
+// of 4 or 8 bytes (sm_80 and newer), else a load and a store. Channels past nc (the last word
+// of a group of 16-bit channels) are zero.
+template <typename scalar_t>
+__device__ __forceinline__ void stage_word(
+    plane_band::Lanes<scalar_t, lane_channels<scalar_t>()>* dst, const scalar_t* src, int64_t s_c, int ci, int nc) {
+  constexpr int V = lane_channels<scalar_t>();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr bool kAsync = V == 1;
+#else
+  constexpr bool kAsync = false;
+#endif
+  if constexpr (kAsync) {
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(addr), "l"(src), "n"(sizeof(scalar_t)));
+  } else {
+    plane_band::Lanes<scalar_t, V> word;
+#pragma unroll
+    for (int e = 0; e < V; ++e) word.v[e] = ci + e < nc ? src[e * s_c] : scalar_t(0);
+    *dst = word;
+  }
+}
+
+// Stages channels [0, nc) of the window [y0, y0 + wh) x [x0, x0 + ww) of `image` (the group's
+// first channel of one image): word j of window pixel p goes to tile[p * kPixelWords + j].
+// Channels-inner input: a warp copies the words of one pixel; otherwise a thread copies the
+// words of one pixel, consecutive threads taking consecutive pixels. Either way a warp reads
+// whole 32-byte sectors and writes 32 different banks. All threads take part; returns once the window is in shared
+// memory and visible to the block.
+template <typename scalar_t>
+__device__ __forceinline__ void stage_window(
+    const scalar_t* __restrict__ image, const TileShape& sh, int y0, int x0, int wh, int ww, int words,
+    int nc, plane_band::Lanes<scalar_t, lane_channels<scalar_t>()>* __restrict__ tile) {
+  constexpr int V = lane_channels<scalar_t>();
+  const int npix = wh * ww;
+  auto pixel = [&](int p) {
+    const int r = p / ww, x = p - r * ww;
+    return image + static_cast<int64_t>(y0 + r) * sh.s_h + static_cast<int64_t>(x0 + x) * sh.s_w;
+  };
+  if (sh.channels_inner) {
+    const int lane = threadIdx.x % 32;
+    for (int p = threadIdx.x / 32; p < npix; p += kTileWarps) {
+      if (lane < words) stage_word<scalar_t>(tile + p * kPixelWords + lane, pixel(p) + lane * V * sh.s_c, sh.s_c, lane * V, nc);
+    }
+  } else {
+    for (int p = threadIdx.x; p < npix; p += blockDim.x) {
+      const scalar_t* src = pixel(p);
+#pragma unroll 8
+      for (int j = 0; j < words; ++j) {
+        stage_word<scalar_t>(tile + p * kPixelWords + j, src + j * V * sh.s_c, sh.s_c, j * V, nc);
+      }
+    }
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+  __syncthreads();
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
+    const scalar_t* __restrict__ input, const scalar_t* __restrict__ rois,
+    at::opmath_type<scalar_t> scale, const int32_t* __restrict__ offsets,
+    const int32_t* __restrict__ rows, TileShape sh, TilePlan plan, int64_t list_offset,
+    scalar_t* __restrict__ output, int32_t* __restrict__ argmax) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int V = lane_channels<scalar_t>();
+  using Word = plane_band::Lanes<scalar_t, V>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Word* tile = reinterpret_cast<Word*>(smem);
+  TileBin* list = reinterpret_cast<TileBin*>(smem + list_offset);
+  __shared__ int reach_h, reach_w;  // the window's extent: furthest bin end from the corner
+  __shared__ int next_bin;          // the next bin of the list that no warp has taken
+
+  const int64_t key = blockIdx.x;
+  const int32_t first = offsets[key];
+  const int n = offsets[key + 1] - first;
+  if (n == 0) return;
+  const int64_t tiles = static_cast<int64_t>(plan.tiles_y) * plan.tiles_x;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * (32 * V);
+  const int nc = static_cast<int>(min(sh.channels - c0, static_cast<int64_t>(32 * V)));
+  const int ph_n = sh.pooled_height, pw_n = sh.pooled_width;
+  const int64_t bins = static_cast<int64_t>(ph_n) * pw_n;
+  if (key == sh.batch * tiles) {  // empty bins, and the bins of RoIs with an invalid batch index
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(n) * nc; i += blockDim.x) {
+      const int64_t e = i / nc, ci = i - e * nc;
+      const int64_t bin = rows[first + e];
+      const int64_t k = bin / bins, r = bin - k * bins;
+      const int64_t o = (k * sh.channels + c0 + ci) * bins + r;
+      output[o] = scalar_t(0);
+      argmax[o] = -1;
+    }
+    return;
+  }
+  const int64_t b = key / tiles;
+  const int t = static_cast<int>(key - b * tiles);
+  const int y0 = (t / plan.tiles_x) * plan.core, x0 = (t % plan.tiles_x) * plan.core;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const scalar_t* image = input + b * sh.s_b + c0 * sh.s_c;
+
+  for (int round = 0; round < n; round += kTileList) {
+    const int m = min(kTileList, n - round);
+    if (round > 0) __syncthreads();  // the previous round is done with the list, window and counter
+    if (threadIdx.x == 0) {
+      reach_h = 1;
+      reach_w = 1;
+      next_bin = kTileWarps;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+      const int32_t bin = rows[first + round + i];
+      const int32_t k = static_cast<int32_t>(bin / bins), r = static_cast<int32_t>(bin - k * bins);
+      const int32_t ph = r / pw_n, pw = r - ph * pw_n;
+      const auto box = tile_box(rois, k, scale, sh);
+      int64_t h0, h1, w0, w1;
+      geometry::roi_pool_bin(box, int64_t{ph}, int64_t{pw}, sh.height, sh.width, h0, h1, w0, w1);
+      list[i] = TileBin{k, r, static_cast<int32_t>(h0), static_cast<int32_t>(h1),
+                        static_cast<int32_t>(w0), static_cast<int32_t>(w1)};
+      atomicMax(&reach_h, static_cast<int>(h1) - y0);
+      atomicMax(&reach_w, static_cast<int>(w1) - x0);
+    }
+    __syncthreads();
+    // The window [y0, y0 + wh) x [x0, x0 + ww): the bins' bounding box, or, when that is
+    // larger than the capacity, at least the tile itself.
+    int wh = reach_h, ww = reach_w;
+    if (wh * ww > plan.capacity) {
+      wh = min(wh, max(plan.core, plan.capacity / ww));
+      ww = min(ww, plan.capacity / wh);
+    }
+    stage_window<scalar_t>(image, sh, y0, x0, wh, ww, (nc + V - 1) / V, nc, tile);
+
+    const int width = sh.width;
+    // Bins differ in size: a warp takes the next untaken bin when it is done with one.
+    for (int e = warp; e < m; e = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(&next_bin, 1) : 0, 0)) {
+      const TileBin bin = list[e];
+      acc_t best[V];
+      int32_t best_i[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        best[v] = geometry::roi_pool_lowest<acc_t>();
+        best_i[v] = -1;
+      }
+      if (bin.h1 - y0 <= wh && bin.w1 - x0 <= ww) {
+        const Word* p = tile + ((bin.h0 - y0) * ww + (bin.w0 - x0)) * kPixelWords + lane;
+        scan_staged_bin<V>(p, ww * kPixelWords, bin.h1 - bin.h0, bin.w1 - bin.w0, bin.h0 * width + bin.w0,
+                           width, best, best_i);
+      } else {  // past the window: the same scan over global memory
+        for (int h = bin.h0; h < bin.h1; ++h) {
+          const scalar_t* src = image + static_cast<int64_t>(h) * sh.s_h;
+          for (int w = bin.w0; w < bin.w1; ++w) {
+            take_pixels<1, V, acc_t>([&](int) {
+              Word wd;
+#pragma unroll
+              for (int v = 0; v < V; ++v) {
+                const int ci = lane * V + v;
+                wd.v[v] = ci < nc ? src[static_cast<int64_t>(w) * sh.s_w + ci * sh.s_c] : scalar_t(0);
+              }
+              return wd;
+            }, h * width + w, best, best_i);
+          }
+        }
+      }
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int ci = lane * V + v;
+        if (ci < nc) {
+          const int64_t o = (static_cast<int64_t>(bin.k) * sh.channels + c0 + ci) * bins + bin.r;
+          output[o] = static_cast<scalar_t>(best[v]);
+          argmax[o] = best_i[v];
+        }
+      }
+    }
+  }
+}
+
+int64_t align16(int64_t bytes) {
+  return cuda::ceil_div(bytes, int64_t{16}) * 16;
+}
+
+int64_t word_bytes(const at::Tensor& input) {
+  return input.element_size() == 2 ? 4 : input.element_size();
+}
+
+TilePlan plan_for(int64_t height, int64_t width, int64_t word) {
+  const int64_t list_bytes = kTileList * static_cast<int64_t>(sizeof(TileBin));
+  return plan_tiles(height, width, word, plane_band::band_budget(kTileBudget, list_bytes + 16));
+}
+
+// Whether the tile kernel takes these shapes (on top of roi_kernel()). Under kAuto it runs
+// when the bins are dense on the map (see BENCHMARKS.md).
+bool pool_tile_applies(const at::Tensor& input, int64_t num_rois, int64_t pooled_height, int64_t pooled_width) {
+  const RoIKernel choice = roi_kernel();
+  if (choice == RoIKernel::kGather) return false;
+  const int64_t batch = input.size(0), channels = input.size(1);
+  const int64_t height = input.size(2), width = input.size(3);
+  if (num_rois <= 0 || channels <= 0 || height <= 0 || width <= 0) return false;
+  if (height * width >= (int64_t{1} << 31) || num_rois * pooled_height * pooled_width >= (int64_t{1} << 30)) return false;
+  const int64_t lanes = 32 * (input.element_size() == 2 ? 2 : 1);
+  if (cuda::ceil_div(channels, lanes) > 65535) return false;
+  const TilePlan plan = plan_for(height, width, word_bytes(input));
+  if (!plan.ok || batch * plan.tiles_y * plan.tiles_x >= (int64_t{1} << 30)) return false;
+  if (choice == RoIKernel::kBand) return true;
+  const double bins = static_cast<double>(num_rois) * pooled_height * pooled_width;
+  const double pixels = static_cast<double>(batch) * height * width;
+  return 4.0 * bins >= pixels;
+}
+
+}  // namespace
+
+bool roi_pool_forward_tile(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, at::Tensor& output, at::Tensor& argmax) {
+  if (!pool_tile_applies(input, rois.size(0), pooled_height, pooled_width)) return false;
+  const int64_t batch = input.size(0), channels = input.size(1);
+  const int64_t height = input.size(2), width = input.size(3);
+  const TilePlan plan = plan_for(height, width, word_bytes(input));
+  const int64_t total = rois.size(0) * pooled_height * pooled_width;
+  const int64_t num_keys = batch * plan.tiles_y * plan.tiles_x + 1;  // the last: empty bins
+  // keys, rows, offsets, counts
+  at::Tensor index = at::empty({2 * total + 2 * (num_keys + 1)}, rois.options().dtype(at::kInt));
+  int32_t* keys = index.data_ptr<int32_t>();
+  int32_t* rows = keys + total;
+  int32_t* offsets = rows + total;
+  int32_t* counts = offsets + num_keys + 1;
+  const TileShape shape{batch, channels, static_cast<int>(height), static_cast<int>(width),
+                        static_cast<int>(pooled_height), static_cast<int>(pooled_width),
+                        input.stride(0), input.stride(1), input.stride(2), input.stride(3),
+                        channels > 1 && input.stride(1) == 1};
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_pool", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    constexpr int V = lane_channels<scalar_t>();
+    const acc_t scale = static_cast<acc_t>(spatial_scale);
+    roi_pool_tile_keys_kernel<scalar_t><<<cuda::grid_for(total, 256), 256, 0, stream>>>(
+        total, rois.const_data_ptr<scalar_t>(), scale, shape, plan, keys);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    plane_band::group_by_owner_kernel<int32_t><<<1, plane_band::kGroupThreads, 0, stream>>>(
+        keys, static_cast<int32_t>(total), static_cast<int32_t>(num_keys), counts, offsets, rows);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t list_offset = align16(static_cast<int64_t>(plan.capacity) * kPixelWords * word_bytes(input));
+    const int64_t smem = list_offset + kTileList * static_cast<int64_t>(sizeof(TileBin));
+    auto kernel = roi_pool_tile_forward_kernel<scalar_t>;
+    plane_band::allow_smem(kernel, smem);
+    const dim3 grid(static_cast<unsigned>(num_keys), static_cast<unsigned>(cuda::ceil_div(channels, int64_t{32 * V})));
+    kernel<<<grid, kTileThreads, static_cast<size_t>(smem), stream>>>(
+        input.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(), scale, offsets, rows,
+        shape, plan, list_offset, output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return true;
+}
+
+}  // namespace ops
+}  // namespace detops
