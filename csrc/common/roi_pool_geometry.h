@@ -98,6 +98,17 @@ DETOPS_HOST_DEVICE_INLINE RoiPoolBox<T> roi_pool_box(
   return box;
 }
 
+// roi_pool_box of row k of a contiguous [K, 5] RoI tensor of any floating type.
+template <typename T, typename scalar_t>
+DETOPS_HOST_DEVICE_INLINE RoiPoolBox<T> roi_pool_box_at(
+    const scalar_t* rois, int64_t k, T scale, int64_t batch_size, int64_t pooled_height,
+    int64_t pooled_width) {
+  const scalar_t* r = rois + k * 5;
+  return roi_pool_box<T>(
+      static_cast<T>(r[0]), static_cast<T>(r[1]), static_cast<T>(r[2]), static_cast<T>(r[3]),
+      static_cast<T>(r[4]), scale, batch_size, pooled_height, pooled_width);
+}
+
 // Pixel window [h0, h1) x [w0, w1) of bin (ph, pw) on an H x W map; false when it is empty.
 template <typename T>
 DETOPS_HOST_DEVICE_INLINE bool roi_pool_bin(

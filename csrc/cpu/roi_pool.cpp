@@ -35,7 +35,6 @@ namespace ops {
 namespace {
 
 using geometry::roi_pool_bin;
-using geometry::roi_pool_box;
 
 // Rejects a RoI whose batch index is not an integer in [0, batch_size); returns the indices.
 template <typename scalar_t>
@@ -247,11 +246,7 @@ void roi_pool_forward_typed(
       const int64_t k = item % num_rois;
       const int64_t c0 = item / num_rois * kChannelBlock;
       const int64_t nc = std::min(kChannelBlock, channels - c0);
-      const scalar_t* roi = r + k * 5;
-      const auto box = roi_pool_box<acc_t>(
-          static_cast<acc_t>(roi[0]), static_cast<acc_t>(roi[1]), static_cast<acc_t>(roi[2]),
-          static_cast<acc_t>(roi[3]), static_cast<acc_t>(roi[4]), scale, batch, pooled_height,
-          pooled_width);
+      const auto box = geometry::roi_pool_box_at(r, k, scale, batch, pooled_height, pooled_width);
       scalar_t* o = out + (k * channels + c0) * bins;
       int32_t* a = arg + (k * channels + c0) * bins;
       if (box.batch < 0) {  // only empty bins

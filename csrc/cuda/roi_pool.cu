@@ -69,7 +69,6 @@ at::Tensor roi_pool_backward_band(
 namespace {
 
 using geometry::roi_pool_bin;
-using geometry::roi_pool_box;
 using roi_pool_cuda::lanes_per_bin;
 using roi_pool_cuda::take_better;
 
@@ -108,18 +107,6 @@ struct InputView {
   int64_t s_b, s_c, s_h, s_w;
 };
 
-// RoI k of a contiguous [K, 5] tensor, converted to the accumulation type.
-template <typename acc_t, typename scalar_t>
-__device__ __forceinline__ geometry::RoiPoolBox<acc_t> load_box(
-    const scalar_t* __restrict__ rois, int64_t k, acc_t scale, const InputView& in,
-    int64_t pooled_height, int64_t pooled_width) {
-  const scalar_t* roi = rois + k * 5;
-  return roi_pool_box<acc_t>(
-      static_cast<acc_t>(roi[0]), static_cast<acc_t>(roi[1]), static_cast<acc_t>(roi[2]),
-      static_cast<acc_t>(roi[3]), static_cast<acc_t>(roi[4]), scale, in.batch, pooled_height,
-      pooled_width);
-}
-
 // Rows kernel (see the file comment): a warp per item (channel block, k, ph), items ordered
 // channel block first; the warp handles the kRowsChannels channels of its block in turn.
 template <typename scalar_t, typename index_t>
@@ -140,7 +127,7 @@ __global__ void __launch_bounds__(kThreads) roi_pool_forward_rows_kernel(
     const index_t k = kc % num_rois;
     const int64_t c_begin = static_cast<int64_t>(kc / num_rois) * kRowsChannels;
     const int64_t c_end = std::min<int64_t>(c_begin + kRowsChannels, in.channels);
-    const auto box = load_box<acc_t>(rois, k, scale, in, pooled_height, pooled_width);
+    const auto box = geometry::roi_pool_box_at(rois, k, scale, in.batch, pooled_height, pooled_width);
     // a bin has at most ceil(bin_w) + 1 columns, and never more than the map's width
     const int64_t span = std::min<int64_t>(
         static_cast<int64_t>(geometry::ceil_of(box.bin_w)) + 1, std::max<int64_t>(in.width, 1));
@@ -212,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) roi_pool_forward_channels_kernel(
     const index_t k = kg % num_rois;
     const int64_t c = static_cast<int64_t>(kg / num_rois) * kWarp + lane;
     if (c >= in.channels) continue;  // no shuffles below: lanes may leave
-    const auto box = load_box<acc_t>(rois, k, scale, in, pooled_height, pooled_width);
+    const auto box = geometry::roi_pool_box_at(rois, k, scale, in.batch, pooled_height, pooled_width);
     const scalar_t* plane = input + (box.batch >= 0 ? box.batch * in.s_b + c * in.s_c : 0);
     const int64_t out_row = (static_cast<int64_t>(k) * in.channels + c) * pooled_height + ph;
     scalar_t* out = output + out_row * pooled_width;

@@ -48,17 +48,6 @@ struct PoolShape {
   int channels_per_block;
 };
 
-template <typename scalar_t>
-__device__ __forceinline__ geometry::RoiPoolBox<at::opmath_type<scalar_t>> box_of(
-    const scalar_t* __restrict__ rois, int64_t k, at::opmath_type<scalar_t> scale, const PoolShape& sh) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const scalar_t* r = rois + k * 5;
-  return geometry::roi_pool_box<acc_t>(
-      static_cast<acc_t>(r[0]), static_cast<acc_t>(r[1]), static_cast<acc_t>(r[2]),
-      static_cast<acc_t>(r[3]), static_cast<acc_t>(r[4]), scale, sh.batch, sh.pooled_height,
-      sh.pooled_width);
-}
-
 // keys[k * PH + ph]: the owner of bin row (k, ph), the band of its first pixel row;
 // tall[k * PH + ph]: 1 when the bin row reaches past its owner's staged window. Clears the
 // stray flag of the backward.
@@ -72,7 +61,7 @@ __global__ void roi_pool_owner_kernel(
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t k = i / sh.pooled_height, ph = i - k * sh.pooled_height;
-    const auto box = box_of(rois, k, scale, sh);
+    const auto box = geometry::roi_pool_box_at(rois, k, scale, sh.batch, sh.pooled_height, sh.pooled_width);
     int64_t h0, h1, w0, w1;
     geometry::roi_pool_bin(box, ph, 0, sh.height, sh.width, h0, h1, w0, w1);
     const int64_t band = std::min<int64_t>(h0, sh.height - 1) / plan.core;

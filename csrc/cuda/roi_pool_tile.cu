@@ -88,17 +88,6 @@ TilePlan plan_tiles(int64_t height, int64_t width, int64_t word_bytes, int64_t b
   return p;
 }
 
-template <typename scalar_t>
-__device__ __forceinline__ geometry::RoiPoolBox<at::opmath_type<scalar_t>> tile_box(
-    const scalar_t* __restrict__ rois, int64_t k, at::opmath_type<scalar_t> scale, const TileShape& sh) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const scalar_t* r = rois + k * 5;
-  return geometry::roi_pool_box<acc_t>(
-      static_cast<acc_t>(r[0]), static_cast<acc_t>(r[1]), static_cast<acc_t>(r[2]),
-      static_cast<acc_t>(r[3]), static_cast<acc_t>(r[4]), scale, sh.batch, sh.pooled_height,
-      sh.pooled_width);
-}
-
 // keys[i] for bin i = (k * PH + ph) * PW + pw: its tile, or the extra key for empty bins.
 template <typename scalar_t>
 __global__ void roi_pool_tile_keys_kernel(
@@ -114,7 +103,7 @@ __global__ void roi_pool_tile_keys_kernel(
       roi_checks::assert_batch_index(static_cast<double>(rois[k * 5]), sh.batch, roi_checks::RoIOp::kRoIPool);
     }
     const int64_t ph = r / sh.pooled_width, pw = r - ph * sh.pooled_width;
-    const auto box = tile_box(rois, k, scale, sh);
+    const auto box = geometry::roi_pool_box_at(rois, k, scale, sh.batch, sh.pooled_height, sh.pooled_width);
     int64_t h0, h1, w0, w1;
     const bool live = geometry::roi_pool_bin(box, ph, pw, sh.height, sh.width, h0, h1, w0, w1);
     keys[i] = live ? static_cast<int32_t>((box.batch * plan.tiles_y + h0 / plan.core) * plan.tiles_x + w0 / plan.core)
@@ -288,7 +277,7 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
       const int32_t bin = rows[first + round + i];
       const int32_t k = static_cast<int32_t>(bin / bins), r = static_cast<int32_t>(bin - k * bins);
       const int32_t ph = r / pw_n, pw = r - ph * pw_n;
-      const auto box = tile_box(rois, k, scale, sh);
+      const auto box = geometry::roi_pool_box_at(rois, k, scale, sh.batch, sh.pooled_height, sh.pooled_width);
       int64_t h0, h1, w0, w1;
       geometry::roi_pool_bin(box, int64_t{ph}, int64_t{pw}, sh.height, sh.width, h0, h1, w0, w1);
       list[i] = TileBin{k, r, static_cast<int32_t>(h0), static_cast<int32_t>(h1),
