@@ -741,7 +741,7 @@ def test_cuda_band_backward_adds_any_argmax():
 def test_cuda_band_kernels_run_when_chosen():
     # Under 'auto' the shared-memory kernels (tile forward, band backward) run for bins dense
     # on the map, the gather kernels for sparse ones and for the deterministic backward; the
-    # tile forward takes channels_last input too.
+    # tile forward takes channels_last input too, and needs 16 channels or more.
     from torch.profiler import ProfilerActivity, profile
 
     from detops.ops._utils import roi_kernel
@@ -765,6 +765,10 @@ def test_cuda_band_kernels_run_when_chosen():
     assert "tile_forward" in names and "band_backward" in names
     xcl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
     assert "tile_forward" in kernels("auto", xcl, dense)
+    # fewer channels than half a warp's lanes: the rows kernel, unless the tiles are forced
+    narrow = torch.randn(2, 8, 100, 152, device="cuda", requires_grad=True)
+    assert "tile_forward" not in kernels("auto", narrow, dense)
+    assert "tile_forward" in kernels("band", narrow, dense)
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:

@@ -353,7 +353,9 @@ TilePlan plan_for(int64_t height, int64_t width, int64_t word) {
 }
 
 // Whether the tile kernel takes these shapes (on top of roi_kernel()). Under kAuto it runs
-// when the bins are dense on the map (see BENCHMARKS.md).
+// when the bins are dense on the map (see BENCHMARKS.md) and there are channels enough to
+// keep at least half of a warp's lanes busy; with fewer, the rows kernel of roi_pool.cu, whose
+// lanes split a channel's pixels instead, wastes less.
 bool pool_tile_applies(const at::Tensor& input, int64_t num_rois, int64_t pooled_height, int64_t pooled_width) {
   const RoIKernel choice = roi_kernel();
   if (choice == RoIKernel::kGather) return false;
@@ -368,7 +370,7 @@ bool pool_tile_applies(const at::Tensor& input, int64_t num_rois, int64_t pooled
   if (choice == RoIKernel::kBand) return true;
   const double bins = static_cast<double>(num_rois) * pooled_height * pooled_width;
   const double pixels = static_cast<double>(batch) * height * width;
-  return 4.0 * bins >= pixels;
+  return 2 * channels >= lanes && 4.0 * bins >= pixels;
 }
 
 }  // namespace
