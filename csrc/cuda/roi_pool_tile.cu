@@ -17,8 +17,9 @@
 //      of its bins into shared memory, takes the bounding window of their pixels (from the
 //      tile's corner to the furthest bin end, cut down to the staging capacity), stages that
 //      window of its channels (pixel-major: a pixel's channels are adjacent, 33 words apart
-//      from the next pixel so that both the staging stores and the scans are conflict-free),
-//      and scans its bins, a warp per bin. A bin reaching past the staged window is read from
+//      from the next pixel so that both the staging stores and the scans are conflict-free;
+//      asynchronous copies for 4- and 8-byte types on sm_80 and newer), and scans its bins, a
+//      warp taking the next untaken bin whenever it finishes one. A bin reaching past the staged window is read from
 //      global memory instead (same scan, same result). The block of the extra key writes the
 //      empty bins (0, argmax -1).
 // The input is read through its strides: contiguous NCHW is staged a pixel at a time along
