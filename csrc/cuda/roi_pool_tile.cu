@@ -13,15 +13,16 @@
 //      the extra key B * tiles (and such an index fails a device assertion, as
 //      roi_checks::check_batch_indices_async would);
 //   2. group_by_owner_kernel (plane_band.cuh) lists the bins of each key;
-//   3. roi_pool_tile_forward_kernel: a block per (key, group of channels) copies the geometry
-//      of its bins into shared memory, takes the bounding window of their pixels (from the
-//      tile's corner to the furthest bin end, cut down to the staging capacity), stages that
-//      window of its channels (pixel-major: a pixel's channels are adjacent, 33 words apart
-//      from the next pixel so that both the staging stores and the scans are conflict-free;
-//      asynchronous copies for 4- and 8-byte types on sm_80 and newer), and scans its bins, a
-//      warp taking the next untaken bin whenever it finishes one. A bin reaching past the staged window is read from
-//      global memory instead (same scan, same result). The block of the extra key writes the
-//      empty bins (0, argmax -1).
+//      The keys kernel also takes, per tile, the bounding window of its bins' pixels (from the
+//      tile's corner to the furthest bin end);
+//   3. roi_pool_tile_forward_kernel: a block per (key, group of channels) stages its tile's
+//      window, cut down to the staging capacity, of its channels (pixel-major: a pixel's
+//      channels are adjacent, 33 words apart from the next pixel, so that both the staging
+//      stores and the scans are conflict-free; asynchronous copies for 4- and 8-byte types on
+//      sm_80 and newer, in flight while the block copies the geometry of its bins into shared
+//      memory), then scans its bins, a warp taking the next untaken bin whenever it finishes
+//      one. A bin reaching past the staged window is read from global memory instead (same
+//      scan, same result). The block of the extra key writes the empty bins (0, argmax -1).
 // The input is read through its strides: contiguous NCHW is staged a pixel at a time along
 // rows, channels_last a pixel's channels at a time, both as whole 32-byte sectors.
 #include <ATen/ATen.h>
@@ -90,10 +91,12 @@ TilePlan plan_tiles(int64_t height, int64_t width, int64_t word_bytes, int64_t b
 }
 
 // keys[i] for bin i = (k * PH + ph) * PW + pw: its tile, or the extra key for empty bins.
+// reach[2 * key], reach[2 * key + 1] (zeroed beforehand): the furthest bin end of the tile's
+// bins, in rows and columns from the tile's corner.
 template <typename scalar_t>
 __global__ void roi_pool_tile_keys_kernel(
     int64_t total, const scalar_t* __restrict__ rois, at::opmath_type<scalar_t> scale,
-    TileShape sh, TilePlan plan, int32_t* __restrict__ keys) {
+    TileShape sh, TilePlan plan, int32_t* __restrict__ keys, int32_t* __restrict__ reach) {
   const int64_t bins = static_cast<int64_t>(sh.pooled_height) * sh.pooled_width;
   const int32_t tiles = plan.tiles_y * plan.tiles_x;
   const int32_t extra = static_cast<int32_t>(sh.batch * tiles);
@@ -107,8 +110,15 @@ __global__ void roi_pool_tile_keys_kernel(
     const auto box = geometry::roi_pool_box_at(rois, k, scale, sh.batch, sh.pooled_height, sh.pooled_width);
     int64_t h0, h1, w0, w1;
     const bool live = geometry::roi_pool_bin(box, ph, pw, sh.height, sh.width, h0, h1, w0, w1);
-    keys[i] = live ? static_cast<int32_t>((box.batch * plan.tiles_y + h0 / plan.core) * plan.tiles_x + w0 / plan.core)
-                   : extra;
+    if (!live) {
+      keys[i] = extra;
+      continue;
+    }
+    const int64_t ty = h0 / plan.core, tx = w0 / plan.core;
+    const int32_t key = static_cast<int32_t>((box.batch * plan.tiles_y + ty) * plan.tiles_x + tx);
+    keys[i] = key;
+    atomicMax(&reach[2 * key], static_cast<int32_t>(h1 - ty * plan.core));
+    atomicMax(&reach[2 * key + 1], static_cast<int32_t>(w1 - tx * plan.core));
   }
 }
 
@@ -192,8 +202,9 @@ __device__ __forceinline__ void stage_word(
 // first channel of one image): word j of window pixel p goes to tile[p * kPixelWords + j].
 // Channels-inner input: a warp copies the words of one pixel; otherwise a thread copies the
 // words of one pixel, consecutive threads taking consecutive pixels. Either way a warp reads
-// whole 32-byte sectors and writes 32 different banks. All threads take part; returns once the window is in shared
-// memory and visible to the block.
+// whole 32-byte sectors and writes 32 different banks. All threads take part. Asynchronous
+// copies may still be in flight on return: stage_wait, then a block barrier, make the window
+// visible.
 template <typename scalar_t>
 __device__ __forceinline__ void stage_window(
     const scalar_t* __restrict__ image, const TileShape& sh, int y0, int x0, int wh, int ww, int words,
@@ -218,25 +229,27 @@ __device__ __forceinline__ void stage_window(
       }
     }
   }
+}
+
+// Waits for this thread's copies of stage_window; the caller synchronizes the block after.
+__device__ __forceinline__ void stage_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
-  __syncthreads();
 }
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
     const scalar_t* __restrict__ input, const scalar_t* __restrict__ rois,
     at::opmath_type<scalar_t> scale, const int32_t* __restrict__ offsets,
-    const int32_t* __restrict__ rows, TileShape sh, TilePlan plan, int64_t list_offset,
-    scalar_t* __restrict__ output, int32_t* __restrict__ argmax) {
+    const int32_t* __restrict__ rows, const int32_t* __restrict__ reach, TileShape sh, TilePlan plan,
+    int64_t list_offset, scalar_t* __restrict__ output, int32_t* __restrict__ argmax) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int V = lane_channels<scalar_t>();
   using Word = plane_band::Lanes<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char smem[];
   Word* tile = reinterpret_cast<Word*>(smem);
   TileBin* list = reinterpret_cast<TileBin*>(smem + list_offset);
-  __shared__ int reach_h, reach_w;  // the window's extent: furthest bin end from the corner
   __shared__ int next_bin;          // the next bin of the list that no warp has taken
 
   const int64_t key = blockIdx.x;
@@ -265,15 +278,19 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const scalar_t* image = input + b * sh.s_b + c0 * sh.s_c;
 
+  // The window [y0, y0 + wh) x [x0, x0 + ww): the bins' bounding box, or, when that is larger
+  // than the capacity, at least the tile itself. Its copies are in flight while the block
+  // lists its bins.
+  int wh = reach[2 * key], ww = reach[2 * key + 1];
+  if (wh * ww > plan.capacity) {
+    wh = min(wh, max(plan.core, plan.capacity / ww));
+    ww = min(ww, plan.capacity / wh);
+  }
+  stage_window<scalar_t>(image, sh, y0, x0, wh, ww, (nc + V - 1) / V, nc, tile);
   for (int round = 0; round < n; round += kTileList) {
     const int m = min(kTileList, n - round);
-    if (round > 0) __syncthreads();  // the previous round is done with the list, window and counter
-    if (threadIdx.x == 0) {
-      reach_h = 1;
-      reach_w = 1;
-      next_bin = kTileWarps;
-    }
-    __syncthreads();
+    if (round > 0) __syncthreads();  // the previous round is done with the list and the counter
+    if (threadIdx.x == 0) next_bin = kTileWarps;
     for (int i = threadIdx.x; i < m; i += blockDim.x) {
       const int32_t bin = rows[first + round + i];
       const int32_t k = static_cast<int32_t>(bin / bins), r = static_cast<int32_t>(bin - k * bins);
@@ -283,18 +300,9 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
       geometry::roi_pool_bin(box, int64_t{ph}, int64_t{pw}, sh.height, sh.width, h0, h1, w0, w1);
       list[i] = TileBin{k, r, static_cast<int32_t>(h0), static_cast<int32_t>(h1),
                         static_cast<int32_t>(w0), static_cast<int32_t>(w1)};
-      atomicMax(&reach_h, static_cast<int>(h1) - y0);
-      atomicMax(&reach_w, static_cast<int>(w1) - x0);
     }
-    __syncthreads();
-    // The window [y0, y0 + wh) x [x0, x0 + ww): the bins' bounding box, or, when that is
-    // larger than the capacity, at least the tile itself.
-    int wh = reach_h, ww = reach_w;
-    if (wh * ww > plan.capacity) {
-      wh = min(wh, max(plan.core, plan.capacity / ww));
-      ww = min(ww, plan.capacity / wh);
-    }
-    stage_window<scalar_t>(image, sh, y0, x0, wh, ww, (nc + V - 1) / V, nc, tile);
+    if (round == 0) stage_wait();
+    __syncthreads();  // the list, the counter and (first round) the window are in place
 
     const int width = sh.width;
     // Bins differ in size: a warp takes the next untaken bin when it is done with one.
@@ -385,12 +393,13 @@ bool roi_pool_forward_tile(
   const TilePlan plan = plan_for(height, width, word_bytes(input));
   const int64_t total = rois.size(0) * pooled_height * pooled_width;
   const int64_t num_keys = batch * plan.tiles_y * plan.tiles_x + 1;  // the last: empty bins
-  // keys, rows, offsets, counts
-  at::Tensor index = at::empty({2 * total + 2 * (num_keys + 1)}, rois.options().dtype(at::kInt));
+  // keys, rows, offsets, counts, reach
+  at::Tensor index = at::empty({2 * total + 2 * (num_keys + 1) + 2 * num_keys}, rois.options().dtype(at::kInt));
   int32_t* keys = index.data_ptr<int32_t>();
   int32_t* rows = keys + total;
   int32_t* offsets = rows + total;
   int32_t* counts = offsets + num_keys + 1;
+  int32_t* reach = counts + num_keys + 1;
   const TileShape shape{batch, channels, static_cast<int>(height), static_cast<int>(width),
                         static_cast<int>(pooled_height), static_cast<int>(pooled_width),
                         input.stride(0), input.stride(1), input.stride(2), input.stride(3),
@@ -400,8 +409,9 @@ bool roi_pool_forward_tile(
     using acc_t = at::opmath_type<scalar_t>;
     constexpr int V = lane_channels<scalar_t>();
     const acc_t scale = static_cast<acc_t>(spatial_scale);
+    C10_CUDA_CHECK(cudaMemsetAsync(reach, 0, 2 * num_keys * sizeof(int32_t), stream));
     roi_pool_tile_keys_kernel<scalar_t><<<cuda::grid_for(total, 256), 256, 0, stream>>>(
-        total, rois.const_data_ptr<scalar_t>(), scale, shape, plan, keys);
+        total, rois.const_data_ptr<scalar_t>(), scale, shape, plan, keys, reach);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     plane_band::group_by_owner_kernel<int32_t><<<1, plane_band::kGroupThreads, 0, stream>>>(
         keys, static_cast<int32_t>(total), static_cast<int32_t>(num_keys), counts, offsets, rows);
@@ -412,7 +422,7 @@ bool roi_pool_forward_tile(
     plane_band::allow_smem(kernel, smem);
     const dim3 grid(static_cast<unsigned>(num_keys), static_cast<unsigned>(cuda::ceil_div(channels, int64_t{32 * V})));
     kernel<<<grid, kTileThreads, static_cast<size_t>(smem), stream>>>(
-        input.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(), scale, offsets, rows,
+        input.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(), scale, offsets, rows, reach,
         shape, plan, list_offset, output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
