@@ -41,6 +41,21 @@ def torch_extensions_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("torch_extensions")
 
 
+def invalid_batch_index_code(kernel, call):
+    """Child-process code (for assert_fails_device_assert) that runs `call`, a RoI op applied to
+    x ([2, 3, 40, 40]) and rois (50 dense RoIs of image 0, then one of image 5, which does not
+    exist), under roi_kernel(kernel)."""
+    return (
+        "import torch, detops\n"
+        "from detops.ops._utils import roi_kernel\n"
+        "x = torch.randn(2, 3, 40, 40, device='cuda')\n"
+        "rois = torch.tensor([[0.0, 0, 0, 30, 30]] * 50 + [[5.0, 0, 0, 4, 4]], device='cuda')\n"
+        f"with roi_kernel('{kernel}'):\n"
+        f"    {call}\n"
+        "torch.cuda.synchronize()\n"
+    )
+
+
 def assert_fails_device_assert(code):
     """Runs `code` in a child Python in the repository root (a device-side assertion poisons
     the CUDA context of its process) and checks that it failed with one; returns the child's

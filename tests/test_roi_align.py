@@ -11,7 +11,7 @@ import torchvision
 import detops  # noqa: F401  (loads the ops)
 from detops.ops import RoIAlign, roi_align
 from detops.reference.roi_align import roi_align as ref_roi_align
-from tests.conftest import DEVICES, assert_fails_device_assert, dense_rois
+from tests.conftest import DEVICES, assert_fails_device_assert, dense_rois, invalid_batch_index_code
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12)}
 # Output rounding of the low-precision dtypes, relative to the largest magnitude.
@@ -503,15 +503,7 @@ def test_cuda_invalid_batch_index_asserts(kernel):
     # the band kernels check batch indices in their setup kernel, the gather kernels in a
     # kernel of their own; either way a device assertion names the op. It poisons the CUDA
     # context, so it fires in a child process.
-    code = (
-        "import torch, detops\n"
-        "from detops.ops._utils import roi_kernel\n"
-        "x = torch.randn(2, 3, 40, 40, device='cuda')\n"
-        "rois = torch.tensor([[0.0, 0, 0, 30, 30]] * 50 + [[2.0, 0, 0, 4, 4]], device='cuda')\n"
-        f"with roi_kernel('{kernel}'):\n"
-        "    torch.ops.detops.roi_align(x, rois, 1.0, 7, 7, 2, True)\n"
-        "torch.cuda.synchronize()\n"
-    )
+    code = invalid_batch_index_code(kernel, "torch.ops.detops.roi_align(x, rois, 1.0, 7, 7, 2, True)")
     out = assert_fails_device_assert(code)
     assert "detops.roi_align: rois[:, 0]" in out, out
 

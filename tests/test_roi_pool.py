@@ -9,7 +9,7 @@ import detops
 from detops.ops import RoIPool, roi_pool
 from detops.reference import roi_pool as ref
 from detops.testing import random_rois as bench_rois
-from tests.conftest import DEVICES, assert_fails_device_assert, cuda_param, dense_rois
+from tests.conftest import DEVICES, assert_fails_device_assert, cuda_param, dense_rois, invalid_batch_index_code
 
 op = torch.ops.detops.roi_pool
 op_bwd = torch.ops.detops._roi_pool_backward
@@ -485,15 +485,7 @@ def test_cuda_invalid_batch_index_asserts(kernel):
     # the tile forward checks batch indices in its keys kernel, the gather kernels in a kernel
     # of their own; either way a device assertion names the op. It poisons the CUDA context,
     # so it fires in a child process.
-    code = (
-        "import torch, detops\n"
-        "from detops.ops._utils import roi_kernel\n"
-        "x = torch.randn(2, 3, 40, 40, device='cuda')\n"
-        "rois = torch.tensor([[0.0, 0, 0, 30, 30]] * 50 + [[5.0, 0, 0, 4, 4]], device='cuda')\n"
-        f"with roi_kernel('{kernel}'):\n"
-        "    torch.ops.detops.roi_pool(x, rois, 1.0, 2, 2)\n"
-        "torch.cuda.synchronize()\n"
-    )
+    code = invalid_batch_index_code(kernel, "torch.ops.detops.roi_pool(x, rois, 1.0, 2, 2)")
     out = assert_fails_device_assert(code)
     assert "detops.roi_pool: rois[:, 0]" in out, out
 

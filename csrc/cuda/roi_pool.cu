@@ -47,7 +47,6 @@
 #include "../common/roi_pool_geometry.h"
 #include "cuda_helpers.h"
 #include "roi_checks.cuh"
-#include "roi_pool_rows.cuh"
 
 namespace detops {
 namespace ops {
@@ -69,8 +68,6 @@ at::Tensor roi_pool_backward_band(
 namespace {
 
 using geometry::roi_pool_bin;
-using roi_pool_cuda::lanes_per_bin;
-using roi_pool_cuda::take_better;
 
 constexpr int kThreads = 256;
 constexpr int kWarp = 32;
@@ -79,6 +76,35 @@ constexpr unsigned int kFullMask = 0xffffffffu;
 // Channels per warp item of the rows kernel: the RoI and bin geometry is computed once for
 // them; small enough that the planes of the items in flight stay in L2.
 constexpr int kRowsChannels = 8;
+
+// Candidate (v, i) replaces (best, best_i) when it is larger, or equal with a smaller row-major
+// index. Candidates are either (a value above roi_pool_lowest, its index >= 0) or
+// (roi_pool_lowest, -1), so "no candidate" never replaces a real one and the combination of
+// any partition of a bin gives the first maximum of its row-major scan.
+template <typename acc_t>
+__device__ __forceinline__ void take_better(acc_t v, int32_t i, acc_t& best, int32_t& best_i) {
+  if (v > best || (v == best && i < best_i)) {
+    best = v;
+    best_i = i;
+  }
+}
+
+// Lanes per bin: the power of two g (1..32) with the fewest warp-wide load rounds per bin row,
+// passes * ceil(span / g), where a pass handles 32 / g bins of the row and span bounds a bin's
+// column count; ties go to the larger g (longer contiguous runs).
+__device__ __forceinline__ int lanes_per_bin(int64_t span, int64_t pooled_width) {
+  int best_g = kWarp;
+  int64_t best_cost = std::numeric_limits<int64_t>::max();
+  for (int g = kWarp; g >= 1; g >>= 1) {
+    const int64_t per_pass = kWarp / g;
+    const int64_t cost = ((pooled_width + per_pass - 1) / per_pass) * ((span + g - 1) / g);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best_g = g;
+    }
+  }
+  return best_g;
+}
 
 // Sizes and strides of a [K, C, PH, PW] gradient, with the flat-index decomposition.
 template <typename index_t>

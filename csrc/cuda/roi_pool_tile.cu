@@ -361,25 +361,26 @@ TilePlan plan_for(int64_t height, int64_t width, int64_t word) {
   return plan_tiles(height, width, word, plane_band::band_budget(kTileBudget, list_bytes + 16));
 }
 
-// Whether the tile kernel takes these shapes (on top of roi_kernel()). Under kAuto it runs
-// when the bins are dense on the map (see BENCHMARKS.md) and there are channels enough to
-// keep at least half of a warp's lanes busy; with fewer, the rows kernel of roi_pool.cu, whose
-// lanes split a channel's pixels instead, wastes less.
-bool pool_tile_applies(const at::Tensor& input, int64_t num_rois, int64_t pooled_height, int64_t pooled_width) {
+// The tile plan when the tile kernel takes these shapes (on top of roi_kernel()), else one
+// with ok == false. Under kAuto it runs when the bins are dense on the map (see BENCHMARKS.md)
+// and there are channels enough to keep at least half of a warp's lanes busy; with fewer, the
+// rows kernel of roi_pool.cu, whose lanes split a channel's pixels instead, wastes less.
+TilePlan pool_tile_plan(const at::Tensor& input, int64_t num_rois, int64_t pooled_height, int64_t pooled_width) {
+  const TilePlan none;
   const RoIKernel choice = roi_kernel();
-  if (choice == RoIKernel::kGather) return false;
+  if (choice == RoIKernel::kGather) return none;
   const int64_t batch = input.size(0), channels = input.size(1);
   const int64_t height = input.size(2), width = input.size(3);
-  if (num_rois <= 0 || channels <= 0 || height <= 0 || width <= 0) return false;
-  if (height * width >= (int64_t{1} << 31) || num_rois * pooled_height * pooled_width >= (int64_t{1} << 30)) return false;
+  if (num_rois <= 0 || channels <= 0 || height <= 0 || width <= 0) return none;
+  if (height * width >= (int64_t{1} << 31) || num_rois * pooled_height * pooled_width >= (int64_t{1} << 30)) return none;
   const int64_t lanes = 32 * (input.element_size() == 2 ? 2 : 1);
-  if (cuda::ceil_div(channels, lanes) > 65535) return false;
+  if (cuda::ceil_div(channels, lanes) > 65535) return none;
   const TilePlan plan = plan_for(height, width, word_bytes(input));
-  if (!plan.ok || batch * plan.tiles_y * plan.tiles_x >= (int64_t{1} << 30)) return false;
-  if (choice == RoIKernel::kBand) return true;
+  if (!plan.ok || batch * plan.tiles_y * plan.tiles_x >= (int64_t{1} << 30)) return none;
+  if (choice == RoIKernel::kBand) return plan;
   const double bins = static_cast<double>(num_rois) * pooled_height * pooled_width;
   const double pixels = static_cast<double>(batch) * height * width;
-  return 2 * channels >= lanes && 4.0 * bins >= pixels;
+  return 2 * channels >= lanes && 4.0 * bins >= pixels ? plan : none;
 }
 
 }  // namespace
@@ -387,10 +388,10 @@ bool pool_tile_applies(const at::Tensor& input, int64_t num_rois, int64_t pooled
 bool roi_pool_forward_tile(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, at::Tensor& output, at::Tensor& argmax) {
-  if (!pool_tile_applies(input, rois.size(0), pooled_height, pooled_width)) return false;
+  const TilePlan plan = pool_tile_plan(input, rois.size(0), pooled_height, pooled_width);
+  if (!plan.ok) return false;
   const int64_t batch = input.size(0), channels = input.size(1);
   const int64_t height = input.size(2), width = input.size(3);
-  const TilePlan plan = plan_for(height, width, word_bytes(input));
   const int64_t total = rois.size(0) * pooled_height * pooled_width;
   const int64_t num_keys = batch * plan.tiles_y * plan.tiles_x + 1;  // the last: empty bins
   // keys, rows, offsets, counts, reach
