@@ -5,6 +5,7 @@ busy time against the step's wall time, and the ops and kernels that take the mo
     python -m benchmarks.profile_detector [--mode training|inference] [--batch 2] [--steps 3]
     python -m benchmarks.profile_detector --syncs   # where each model waits for the GPU
     python -m benchmarks.profile_detector --phases  # wall and GPU time of each part of a step
+    python -m benchmarks.profile_detector --timeline  # when the host and the GPU reach each part
 
 --phases synchronizes at the boundaries of the transform, backbone, RPN and RoI heads, of the
 backward through the heads and through the backbone, and of the optimizer step, and reports
@@ -12,6 +13,11 @@ for each part its wall time, the GPU's busy time inside it and its kernel count.
 wall time is well above its GPU time is bound by the host issuing its launches. The timing
 hooks turn detops' backbone CUDA graphs off (module hooks always run eagerly), so the parts are
 those of an eager step.
+
+--timeline changes nothing in the step (no syncs inside it, no hooks: the graphs stay on). At
+the start and end of each part it takes the host's clock and records a CUDA event; after the
+step it prints, per mark, when the host got there and when the GPU did, both from the step's
+start. Where the GPU's time is close to the host's, the GPU had run dry and waited for the host.
 """
 from __future__ import annotations
 
@@ -174,6 +180,117 @@ def _phases(name, model, opt, images, targets, steps) -> None:
     print(f"{'(parts, summed)':<22}{total[0]:9.2f}{total[1]:13.2f}{100 * total[1] / max(total[0], 1e-9):8.0f}{total[2]:9.0f}")
 
 
+class _Marks:
+    """(label, host time, CUDA event) at part boundaries of one step."""
+
+    def __init__(self):
+        self.marks: List[Tuple[str, float, torch.cuda.Event]] = []
+        self.rows = collections.OrderedDict()
+
+    def mark(self, label: str) -> None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self.marks.append((label, time.perf_counter(), e))
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        """Marks around calls of owner.attr: a module's forward, a method, or "__call__" of a
+        callable object (given a subclass of its own for that)."""
+        target = getattr(owner, attr)
+
+        def wrapped(*args, **kwargs):
+            self.mark(f"{label} >")
+            out = target(*args, **kwargs)
+            self.mark(f"{label} <")
+            return out
+
+        if attr == "__call__":
+            owner.__class__ = type(type(owner).__name__, (type(owner),),
+                                   {"__call__": lambda obj, *a, **k: wrapped(*a, **k)})
+        else:
+            setattr(owner, attr, wrapped)
+
+    def collect(self) -> None:
+        torch.cuda.synchronize()
+        _, t0, e0 = self.marks[0]
+        for label, t, e in self.marks:
+            self.rows.setdefault(label, []).append(((t - t0) * 1e3, e0.elapsed_time(e)))
+        self.marks = []
+
+    def report(self, name: str) -> None:
+        print(f"==== {name}: host and GPU time of each mark from the step's start (ms, median over steps)")
+        print(f"{'mark':<34}{'host':>9}{'GPU':>9}{'GPU - host':>12}")
+        for label, vals in self.rows.items():
+            h = sorted(v[0] for v in vals)[len(vals) // 2]
+            g = sorted(v[1] for v in vals)[len(vals) // 2]
+            print(f"{label:<34}{h:9.2f}{g:9.2f}{g - h:12.2f}")
+
+
+class _Callable:
+    """A plain callable standing in for an attribute that was a callable object."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def _timeline(name, model, opt, images, targets, steps) -> None:
+    """Host and GPU arrival at each part of a training step, nothing synchronized inside it."""
+    marks = _Marks()
+    for label, module in _parts(model):
+        if label == "backbone" and "backbone_graphs" in model.__dict__:
+            graphs = model.__dict__["backbone_graphs"]
+            model.__dict__["backbone_graphs"] = _Callable(lambda m, x, g=graphs: _marked(marks, "backbone", g, m, x))
+        else:
+            marks.wrap(module, "forward", label)
+    rpn = model.rpn
+    if hasattr(rpn, "target_graphs"):  # detops
+        marks.wrap(rpn.head, "forward", "  rpn head")
+        marks.wrap(rpn.target_graphs, "__call__", "  rpn proposals, targets")
+        marks.wrap(rpn.loss_evaluator, "losses", "  rpn loss")
+        box = model.roi_heads.box
+        marks.wrap(box.loss_evaluator, "subsample", "  box subsample")
+        marks.wrap(box.feature_extractor, "forward", "  box features")
+        marks.wrap(box.loss_evaluator, "__call__", "  box loss")
+        if hasattr(model.roi_heads, "mask"):
+            from detops.modeling.roi_heads.mask_head import mask_head
+            from detops.modeling.utils import PendingCounts
+
+            marks.wrap(PendingCounts, "get", "  mask counts")  # a class attribute: every instance
+            marks.wrap(model.roi_heads.mask.feature_extractor, "forward", "  mask features")
+            marks.wrap(mask_head, "mask_rcnn_loss", "  mask loss")
+
+    def step():
+        marks.mark("step")
+        losses = model(images, targets)
+        loss = sum(losses.values())
+        marks.mark("forward returned")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        marks.mark("backward returned")
+        opt.step()
+        marks.mark("optimizer returned")
+
+    for _ in range(5):
+        step()
+        marks.collect()
+    marks.rows.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+        marks.collect()
+    print(f"==== {name}: {(time.perf_counter() - t0) * 1e3 / steps:.2f} ms a step (with a sync after each)")
+    marks.report(name)
+
+
+def _marked(marks: _Marks, label: str, graphs, module, x):
+    marks.mark(f"{label} >")
+    out = graphs(module, x)
+    marks.mark(f"{label} <")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["training", "inference"], default="training")
@@ -183,6 +300,7 @@ def main() -> None:
     p.add_argument("--channels-last", action="store_true", help="detops with MODEL.MEMORY_FORMAT channels_last")
     p.add_argument("--syncs", action="store_true", help="list where each model synchronizes instead of profiling")
     p.add_argument("--phases", action="store_true", help="time each part of a training step (synchronized)")
+    p.add_argument("--timeline", action="store_true", help="host and GPU arrival at each part of a training step")
     a = p.parse_args()
     tv, dt = build_models("cuda", HEIGHT, WIDTH)
     if a.channels_last:
@@ -197,10 +315,10 @@ def main() -> None:
         else:
             model.eval()
             step = lambda: _infer(model, images)  # noqa: E731
-        if a.phases:
+        if a.phases or a.timeline:
             if a.mode != "training":
-                p.error("--phases times a training step")
-            _phases(name, model, opt, images, targets, a.steps)
+                p.error("--phases and --timeline time a training step")
+            (_timeline if a.timeline else _phases)(name, model, opt, images, targets, a.steps)
         elif a.syncs:
             _syncs(name, step)
         else:
