@@ -153,11 +153,13 @@ class MultiScaleRoIAlign(nn.Module):
         lie off the map (below -1 at the coarsest scale), so they pool to exact zeros."""
         assert self.scales is not None
         far = -8.0 / min(self.scales) - 8.0
-        batch, box = rois[:, :1], rois[:, 1:]
+        # the RoIs of every level at once: [L, K, 5], other levels' boxes moved off the map
+        lvl = torch.arange(len(features), device=rois.device, dtype=levels.dtype)
+        box = torch.where((levels[None, :] == lvl[:, None])[..., None], rois[None, :, 1:], far)
+        per_level = torch.cat([rois[None, :, :1].expand(len(features), -1, -1), box], 2)
         out: Optional[Tensor] = None
-        for lvl, (feature, scale) in enumerate(zip(features, self.scales)):
-            moved = torch.where((levels == lvl)[:, None], box, far)
-            pooled = roi_align(feature, torch.cat([batch, moved], 1), self.output_size, scale, self.sampling_ratio)
+        for feature, scale, level_rois in zip(features, self.scales, per_level):
+            pooled = roi_align(feature, level_rois, self.output_size, scale, self.sampling_ratio)
             out = pooled if out is None else out + pooled
         assert out is not None
         return out
