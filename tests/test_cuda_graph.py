@@ -1,5 +1,6 @@
 """GraphedTraining: CUDA graphs of a training forward and backward give eager mode's values, and
-every case a replay could get wrong runs eagerly instead."""
+every case a replay could get wrong runs eagerly instead. GraphedFunction: replays of a function
+without gradients give its eager values and random draws."""
 import copy
 import pickle
 from collections import OrderedDict
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from detops.modeling.backbone.frozen_batch_norm import FrozenBatchNorm2d
-from detops.modeling.cuda_graph import GraphedTraining
+from detops.modeling.cuda_graph import GraphedFunction, GraphedTraining, run_eagerly
 
 from tests.test_modeling_train import _batch, _tiny_cfg
 
@@ -289,3 +290,118 @@ def test_model_without_a_runner_still_runs():
         del model.__dict__["backbone_graphs"]
         got = model(images)
     assert all(torch.equal(a["boxes"], b["boxes"]) for a, b in zip(expected, got))
+
+
+# --- GraphedFunction --------------------------------------------------------------------------
+
+
+def _work(x, y):
+    """Small launches, a random draw and outputs of several dtypes, as the detector's targets."""
+    keys = torch.rand(x.shape, device=x.device)
+    top, idx = torch.where(x > 0, keys, 2.0).topk(3, dim=1, largest=False)
+    return (x * y).sum(1), idx, top < 2.0
+
+
+@cuda
+def test_function_replays_give_the_eager_values_and_random_draws():
+    runner = GraphedFunction(after=2)
+    g = torch.Generator().manual_seed(0)
+    calls = [(torch.randn(4, 10, generator=g).cuda(), torch.randn(4, 10, generator=g).cuda()) for _ in range(5)]
+    torch.manual_seed(1)
+    expected = [run_eagerly(_work, *c) for c in calls]
+    torch.manual_seed(1)
+    got = [runner(_work, *c) for c in calls]
+    assert runner.captures == 1 and runner.replays == 4  # captured at the second call, replayed from it on
+    for e, o in zip(expected, got):
+        for a, b in zip(e, o):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    # what the caller got is its own: later replays do not overwrite it
+    first = [t.clone() for t in got[1]]
+    runner(_work, *calls[0])
+    assert all(torch.equal(a, b) for a, b in zip(first, got[1]))
+
+
+@cuda
+def test_function_keys_limits_and_cpu_inputs():
+    runner = GraphedFunction(max_graphs=1, after=1)
+    x, y = torch.randn(4, 10, device="cuda"), torch.randn(4, 10, device="cuda")
+    runner(_work, x, y)
+    runner(_work, x, y, key=("other",))  # another key, beyond max_graphs: eager
+    runner(_work, x[:2], y[:2])  # another shape: eager
+    assert runner.captures == 1 and runner.replays == 1
+    out = runner(_work, x.cpu(), y.cpu())
+    assert out[0].device.type == "cpu" and runner.replays == 1
+    runner.reset()
+    assert not runner.graphs and runner.captures == 0
+    off = GraphedFunction(max_graphs=0, after=1)
+    off(_work, x, y)
+    assert off.captures == 0 and off.replays == 0
+
+
+@cuda
+def test_function_that_cannot_be_captured_runs_eagerly():
+    def reads_back(x):
+        noise = torch.rand(x.shape, device=x.device)
+        return (x * float(x.sum()) + noise,)  # a host read: not capturable
+
+    runner = GraphedFunction(after=1)
+    x = torch.randn(8, device="cuda")
+    torch.manual_seed(3)
+    expected = [run_eagerly(reads_back, x)[0] for _ in range(2)] + [torch.rand(4, device="cuda")]
+    torch.manual_seed(3)
+    with pytest.warns(UserWarning, match="GraphedFunction: capturing .*reads_back failed"):
+        out = runner(reads_back, x)
+    assert runner.captures == 0 and runner.graphs  # remembered as eager: no second attempt or warning
+    # the failed capture leaves the random generator usable, in the state it had
+    got = [out[0], runner(reads_back, x)[0], torch.rand(4, device="cuda")]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_function_runner_settings_and_copies():
+    with pytest.raises(ValueError, match="GraphedFunction: need max_graphs >= 0"):
+        GraphedFunction(after=0)
+    runner = GraphedFunction(max_graphs=3, after=4, warmup=2)
+    runner.graphs[("fake",)] = None
+    for other in (copy.deepcopy(runner), pickle.loads(pickle.dumps(runner))):
+        assert (other.max_graphs, other.after, other.warmup) == (3, 4, 2) and not other.graphs
+    x = torch.randn(3, 5)
+    assert torch.equal(runner(_work, x, x)[0], (x * x).sum(1))  # CPU: eager
+
+
+@cuda
+def test_detector_training_with_target_graphs_matches_eager():
+    """The RPN's proposals and targets and the box head's sampling replayed from CUDA graphs
+    give eager mode's losses and gradients bitwise, random draws of the samplers included."""
+    from detops.modeling import build_detection_model
+
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        models = []
+        for graphs in (0, 2):
+            cfg = _tiny_cfg()
+            cfg.merge_from_list(["MODEL.DEVICE", "cuda", "MODEL.BACKBONE.CUDA_GRAPHS", 0,
+                                 "MODEL.TARGETS_CUDA_GRAPHS", graphs, "MODEL.TARGETS_CUDA_GRAPH_AFTER", 2])
+            torch.manual_seed(0)
+            models.append(build_detection_model(cfg).cuda().train())
+        images, targets = _batch("cuda")
+        opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01, momentum=0.9) for m in models]
+        for step in range(5):
+            losses, grads = [], []
+            for model, opt in zip(models, opts):
+                torch.manual_seed(step)
+                opt.zero_grad(set_to_none=True)
+                out = model(images, targets)
+                sum(out.values()).backward()
+                grads.append(_grads(model))
+                opt.step()
+                losses.append({k: v.item() for k, v in out.items()})
+            assert losses[0] == losses[1], step
+            _assert_same(*grads)
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    eager, graphed = models
+    assert eager.rpn.target_graphs.replays == 0 and eager.roi_heads.box.loss_evaluator.graphs.replays == 0
+    for runner in (graphed.rpn.target_graphs, graphed.roi_heads.box.loss_evaluator.graphs):
+        assert runner.captures == 1 and runner.replays == 4
+    assert copy.deepcopy(graphed).rpn.target_graphs.replays == 0

@@ -11,7 +11,7 @@ from detops.modeling.matcher import Matcher
 from detops.modeling.registry import BACKBONES, Registry
 from detops.modeling.roi_heads.mask_head.inference import paste_masks_in_image
 from detops.modeling.rpn.anchor_generator import AnchorGenerator, generate_cell_anchors
-from detops.modeling.utils import top_k_per_group
+from detops.modeling.utils import pad_targets, top_k_per_group
 from detops.structures import BoxList, ImageList, boxlist_iou, cat_boxlist, to_image_list
 from detops.testing import random_rois
 from tests.conftest import DEVICES
@@ -116,6 +116,57 @@ def test_matcher_thresholds_and_low_quality_matches():
     assert m.tolist() == [0, 1, -1, -2]  # pred 1 is gt 1's best match
     none = Matcher(0.5, 0.5)(torch.zeros(0, 4))
     assert none.tolist() == [-1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("low_quality", [False, True])
+def test_matcher_batch_is_the_per_image_matcher_on_the_valid_rows(device, low_quality):
+    g = torch.Generator().manual_seed(0)
+    m = Matcher(0.7, 0.3, allow_low_quality_matches=low_quality)
+    counts = [3, 0, 5, 1]
+    quality = torch.rand(4, 6, 50, generator=g)
+    quality[0, 1, 7] = quality[0, 1].max() + 0.5  # a gt whose best prediction is above the threshold
+    quality[2, 4] = 0.1  # a gt that overlaps every prediction equally: all of them tie
+    valid = torch.arange(6)[None] < torch.tensor(counts)[:, None]
+    got = m.match_batch(quality.to(device), valid.to(device)).cpu()
+    assert got.shape == (4, 50) and got.dtype == torch.int64
+    for b, n in enumerate(counts):
+        assert torch.equal(got[b], m(quality[b, :n])), b
+    assert (got[1] == Matcher.BELOW_LOW_THRESHOLD).all()  # no gt: all background
+    assert torch.equal(m.match_batch(quality[:, :0]), torch.full((4, 50), -1))
+    with pytest.raises(ValueError, match="Matcher: the quality matrix must be \\[M, N\\]"):
+        m(quality)
+
+
+def test_box_iou_batched_is_each_entry_matrix():
+    a, b = random_rois(12, 1, 50, 60, seed=1)[:, 1:].view(3, 4, 4), random_rois(15, 1, 50, 60, seed=2)[:, 1:].view(3, 5, 4)
+    from detops.structures.boxlist_ops import box_iou
+
+    got = box_iou(a, b)
+    assert got.shape == (3, 4, 5)
+    for i in range(3):
+        assert torch.equal(got[i], box_iou(a[i], b[i]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pad_targets(device):
+    def target(n, seed):
+        t = BoxList(random_rois(n, 1, 40, 50, seed=seed)[:, 1:].to(device), (50, 40))
+        t.add_field("labels", torch.arange(1, n + 1, device=device))
+        return t
+
+    targets = [target(3, 0), target(0, 1), target(9, 2)]
+    p = pad_targets(targets)
+    assert p.boxes.shape == (3, 16, 4) and p.labels.shape == p.valid.shape == (3, 16)
+    for b, t in enumerate(targets):
+        n = len(t)
+        assert torch.equal(p.boxes[b, :n], t.bbox) and (p.boxes[b, n:] == 0).all()
+        assert torch.equal(p.labels[b, :n], t.get_field("labels")) and (p.labels[b, n:] == 0).all()
+        assert p.valid[b, :n].all() and not p.valid[b, n:].any()
+    assert pad_targets(targets[:1], multiple=4).boxes.shape == (1, 4, 4)
+    none = pad_targets([targets[1], targets[1]])
+    assert none.boxes.shape == (2, 8, 4) and not none.valid.any()
+    assert pad_targets([BoxList(torch.zeros(2, 4, device=device), (5, 5))]).labels.abs().sum() == 0  # no labels
 
 
 def test_sampler_balances_positives_and_negatives():
@@ -299,3 +350,24 @@ def test_mask_loss_leaves_padding_out():
     none.add_field("masks", torch.zeros(0, 64, 64, dtype=torch.uint8))
     p.add_field("valid", torch.zeros(3, dtype=torch.bool))
     assert mask_rcnn_loss(logits, [p], [none]).item() == 0
+
+
+def test_mask_targets_of_several_images_come_from_one_roi_align_with_the_same_values():
+    from detops.modeling.roi_heads.mask_head.loss import _mask_targets
+
+    g = torch.Generator().manual_seed(0)
+    masks = [(torch.rand(n, 40, 48, generator=g) > 0.5).to(torch.uint8) for n in (3, 2)]
+    positive = []
+    for n_gt, seed in ((3, 1), (2, 2)):
+        p = BoxList(random_rois(5, 1, 40, 48, seed=seed)[:, 1:], (48, 40))
+        p.add_field("matched_idxs", torch.randint(0, n_gt, (5,), generator=g))
+        positive.append(p)
+    like = torch.zeros(1)
+    batched = _mask_targets(positive, masks, 14, like)
+    per_image = torch.cat([_mask_targets([p], [m], 14, like) for p, m in zip(positive, masks)])
+    assert batched.shape == (10, 14, 14) and torch.equal(batched, per_image)
+    # masks of other sizes, and images without positives, take the per-image path
+    other = [masks[0], masks[1][:, :30]]
+    mixed = _mask_targets(positive, other, 14, like)
+    assert torch.equal(mixed[:5], per_image[:5]) and not torch.equal(mixed[5:], per_image[5:])
+    assert _mask_targets([positive[0][:0], positive[1]], masks, 14, like).shape == (5, 14, 14)

@@ -25,6 +25,15 @@ _C.MODEL.WEIGHT = ""
 # than the parity tests' tolerances (scores beyond 1e-4), so it is opt-in. On CPU it gives the
 # same detections.
 _C.MODEL.MEMORY_FORMAT = "contiguous"
+# CUDA graphs of the training work that needs no gradients (detops.modeling.cuda_graph.
+# GraphedFunction): in the RPN the proposals (decoding, top-n, NMS, padding) with the anchors'
+# targets (matching, sampling, encoding), and in the box head the sampling of its RoIs. Both run
+# in fixed shapes (the gt padded to a multiple of 8 per image), so after
+# TARGETS_CUDA_GRAPH_AFTER consecutive iterations with one shape they are captured and then
+# replayed as one launch each. TARGETS_CUDA_GRAPHS is the number of shapes each keeps graphs
+# for; 0 turns them off. The samplers draw the same random numbers as in eager mode.
+_C.MODEL.TARGETS_CUDA_GRAPHS = 2
+_C.MODEL.TARGETS_CUDA_GRAPH_AFTER = 3
 
 # ---------------------------------------------------------------------------- #
 # Backbone

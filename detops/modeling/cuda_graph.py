@@ -1,4 +1,5 @@
-"""CUDA graphs of a module's training forward and backward, keyed by the input's shape.
+"""CUDA graphs of a module's training forward and backward, keyed by the input's shape, and of
+functions that need no gradients (`GraphedFunction`).
 
 A detector's backbone is hundreds of small launches (convolutions, frozen batch norms, ReLUs,
 the FPN) whose shapes depend only on the padded image batch. With a fixed input size the host
@@ -30,6 +31,7 @@ next replay, which is the next training forward.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -267,3 +269,142 @@ class GraphedTraining:
         self.replays += 1
         outs = _Replay.apply(graph, x, *graph.params)
         return _unflatten(outs, graph.spec)
+
+
+def run_eagerly(fn, *tensors: Tensor, key: tuple = ()) -> Tuple[Tensor, ...]:
+    """What a GraphedFunction with max_graphs 0 does: fn(*tensors) with gradients disabled."""
+    with torch.no_grad():
+        return fn(*tensors)
+
+
+def _reset_rng_after_failed_capture(device: torch.device, state: Tensor) -> None:
+    """A capture that fails leaves the CUDA generator marked as capturing (torch ends that state
+    only when a capture ends cleanly), and every later random draw outside a graph would fail.
+    A small capture that succeeds ends it; then the generator gets `state` back."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        scratch = torch.zeros(1, device=device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            scratch.add_(torch.rand(1, device=device))
+    torch.cuda.current_stream(device).wait_stream(stream)
+    del graph
+    torch.cuda.set_rng_state(state, device)
+
+
+class _FunctionGraph:
+    """One capture of fn(*inputs) under no_grad, with static inputs and outputs."""
+
+    def __init__(self, fn, inputs: Tuple[Tensor, ...], warmup: int):
+        device = inputs[0].device
+        self.static_in = tuple(t.clone() for t in inputs)
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        rng = torch.cuda.get_rng_state(device)
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for _ in range(warmup):  # lazy initialization (workspaces, kernel attributes) stays out of the graph
+                fn(*self.static_in)
+            torch.cuda.set_rng_state(rng, device)  # the warm-up's random numbers are not drawn
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+                out = fn(*self.static_in)
+        if not isinstance(out, tuple) or not all(isinstance(t, Tensor) for t in out):
+            raise TypeError(f"GraphedFunction: the function must return a tuple of tensors, got {type(out).__name__}")
+        self.static_out = out
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    def __call__(self, inputs: Tuple[Tensor, ...]) -> Tuple[Tensor, ...]:
+        for static, t in zip(self.static_in, inputs):
+            if t.data_ptr() != static.data_ptr():
+                static.copy_(t)
+        self.graph.replay()
+        # the caller owns what it gets: the next replay overwrites the static outputs
+        return tuple(o.clone() for o in self.static_out)
+
+
+class GraphedFunction:
+    """Runs `fn(*tensors)`, a function that needs no gradients, through CUDA graphs.
+
+    For work such as a detector's proposal selection and training-target sampling: hundreds of
+    small launches whose shapes follow from the inputs' shapes, where the host spends longer
+    issuing the launches than the GPU spends running them. Once a key (the inputs' shapes,
+    strides, dtypes and device, the caller's `key`, and the determinism setting) repeats
+    `after` times, the call is captured and replayed from then on: the inputs are copied into
+    the graph's own (unless they already are them), one launch runs the work, and the outputs
+    come back as new tensors.
+
+    `fn` must return a tuple of tensors, wait for nothing on the host, copy nothing between the
+    host and the GPU, and take every value that changes between calls from its tensor
+    arguments (anything else belongs in `key`). Random numbers drawn through torch's CUDA
+    generator advance it as in eager mode, and a replay draws the numbers an eager call would
+    have drawn from the same generator state.
+
+    Eager calls (with gradients disabled): CPU inputs, inputs on several devices, while
+    capturing or compiling, max_graphs reached, and keys whose capture failed (a warning says
+    why; that key is not captured again).
+
+    Args:
+        max_graphs (int): keys to keep graphs for; 0 turns graphs off. A runner serves one
+            function: its graphs are keyed by inputs, not by function.
+        after (int): consecutive calls with one key before it is captured.
+        warmup (int): eager calls on a side stream right before a capture.
+    """
+
+    def __init__(self, max_graphs: int = 2, after: int = 3, warmup: int = 1):
+        if max_graphs < 0 or after < 1 or warmup < 1:
+            raise ValueError(f"GraphedFunction: need max_graphs >= 0, after >= 1 and warmup >= 1, got "
+                             f"max_graphs={max_graphs}, after={after}, warmup={warmup}")
+        self.max_graphs, self.after, self.warmup = max_graphs, after, warmup
+        self.reset()
+
+    def reset(self) -> None:
+        """Drops every graph (and the memory it holds)."""
+        self.graphs: Dict[tuple, Optional[_FunctionGraph]] = {}
+        self.last_key: Optional[tuple] = None
+        self.streak = 0
+        self.captures = 0
+        self.replays = 0
+
+    def __getstate__(self):
+        return {"max_graphs": self.max_graphs, "after": self.after, "warmup": self.warmup}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def __deepcopy__(self, memo):
+        return GraphedFunction(self.max_graphs, self.after, self.warmup)
+
+    def _eligible(self, tensors: Tuple[Tensor, ...]) -> bool:
+        if self.max_graphs == 0 or not tensors or \
+                not all(t.is_cuda and t.device == tensors[0].device for t in tensors) or \
+                torch.cuda.is_current_stream_capturing():
+            return False
+        compiler = getattr(torch, "compiler", None)
+        return not (compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+    def __call__(self, fn, *tensors: Tensor, key: tuple = ()) -> Tuple[Tensor, ...]:
+        if not self._eligible(tensors):
+            return run_eagerly(fn, *tensors)
+        full_key = (key, torch.are_deterministic_algorithms_enabled(), _autocast_on(),
+                    tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
+        if full_key not in self.graphs:
+            self.streak = self.streak + 1 if full_key == self.last_key else 1
+            self.last_key = full_key
+            captured = sum(g is not None for g in self.graphs.values())
+            if self.streak < self.after or captured >= self.max_graphs:
+                return run_eagerly(fn, *tensors)
+            rng = torch.cuda.get_rng_state(tensors[0].device)
+            try:
+                self.graphs[full_key] = _FunctionGraph(fn, tensors, self.warmup)
+                self.captures += 1
+            except RuntimeError as e:  # an uncapturable operation: this key stays eager
+                _reset_rng_after_failed_capture(tensors[0].device, rng)
+                self.graphs[full_key] = None
+                warnings.warn(f"GraphedFunction: capturing {getattr(fn, '__qualname__', fn)} failed, it runs "
+                              f"eagerly for these inputs: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        graph = self.graphs[full_key]
+        if graph is None:
+            return run_eagerly(fn, *tensors)
+        self.replays += 1
+        return graph(tensors)

@@ -1,6 +1,8 @@
 """Matcher: assigns each prediction (anchor / proposal) the ground-truth box it overlaps most."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -27,22 +29,36 @@ class Matcher:
 
     def __call__(self, match_quality_matrix: Tensor) -> Tensor:
         """[M, N] IoU -> [N] int64 gt index, or -1 / -2."""
-        if match_quality_matrix.numel() == 0:
-            if match_quality_matrix.shape[0] == 0:  # no gt: everything is background
-                return torch.full(
-                    (match_quality_matrix.shape[1],), self.BELOW_LOW_THRESHOLD, dtype=torch.int64,
-                    device=match_quality_matrix.device,
-                )
+        if match_quality_matrix.dim() != 2:
+            raise ValueError(f"Matcher: the quality matrix must be [M, N], got {list(match_quality_matrix.shape)}")
+        if match_quality_matrix.shape[1] == 0 and match_quality_matrix.shape[0] > 0:
             raise ValueError("Matcher: no predictions to match against the ground truth")
-        matched_vals, matches = match_quality_matrix.max(dim=0)
-        all_matches = matches.clone() if self.allow_low_quality_matches else None
-        below = matched_vals < self.low_threshold
-        between = (matched_vals >= self.low_threshold) & (matched_vals < self.high_threshold)
-        matches[below] = self.BELOW_LOW_THRESHOLD
-        matches[between] = self.BETWEEN_THRESHOLDS
+        return self.match_batch(match_quality_matrix[None])[0]
+
+    def match_batch(self, quality: Tensor, gt_valid: Optional[Tensor] = None) -> Tensor:
+        """The matches of several images at once, in fixed shapes (no host sync).
+
+        Args:
+            quality (Tensor[B, M, N]): IoU of each image's M gt (padded) with its N predictions.
+            gt_valid (Tensor[B, M] bool, optional): False on padding gt rows, which match nothing.
+        Returns:
+            Tensor[B, N] int64: per image what __call__ gives for its valid rows alone (an
+            image without valid gt: every prediction BELOW_LOW_THRESHOLD).
+        """
+        b, m, n = quality.shape
+        if m == 0:  # no gt: everything is background
+            return torch.full((b, n), self.BELOW_LOW_THRESHOLD, dtype=torch.int64, device=quality.device)
+        if gt_valid is not None:  # IoU lies in [0, 1]: padding rows never win
+            quality = torch.where(gt_valid[:, :, None], quality, -1.0)
+        matched_vals, matches = quality.max(dim=1)
+        all_matches = matches if self.allow_low_quality_matches else None
+        matches = torch.where(matched_vals < self.low_threshold, self.BELOW_LOW_THRESHOLD,
+                              torch.where(matched_vals < self.high_threshold, self.BETWEEN_THRESHOLDS, matches))
         if all_matches is not None:
-            best_per_gt, _ = match_quality_matrix.max(dim=1)
-            # predictions that tie for some gt's best IoU; a mask, not indices: no host sync
-            ties = (match_quality_matrix == best_per_gt[:, None]).any(dim=0)
-            matches = torch.where(ties, all_matches, matches)
+            best_per_gt, _ = quality.max(dim=2)
+            # predictions that tie for some valid gt's best IoU; a mask, not indices: no host sync
+            ties = quality == best_per_gt[:, :, None]
+            if gt_valid is not None:
+                ties &= gt_valid[:, :, None]
+            matches = torch.where(ties.any(dim=1), all_matches, matches)
         return matches

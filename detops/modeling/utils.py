@@ -1,10 +1,12 @@
 """Small helpers shared by the RPN and the RoI heads."""
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, NamedTuple, Tuple
 
 import torch
 from torch import Tensor
+
+from ..structures import BoxList
 
 
 def cat(tensors: List[Tensor], dim: int = 0) -> Tensor:
@@ -33,6 +35,38 @@ def top_k_per_group(group: Tensor, order: Tensor, k: int, num_groups: int) -> Tu
     keep = rank < k
     kept = order[by_group[keep]]
     return kept, torch.clamp(counts, max=k).tolist()
+
+
+class PaddedTargets(NamedTuple):
+    """The gt of a batch in fixed shapes: G rows per image, the first len(target) of them real."""
+    boxes: Tensor  # [B, G, 4], zeros on padding
+    labels: Tensor  # [B, G] int64, 0 on padding (zeros when the targets have no "labels")
+    valid: Tensor  # [B, G] bool
+
+
+def pad_targets(targets: List[BoxList], multiple: int = 8) -> PaddedTargets:
+    """Pads every image's gt to G rows, G the largest count rounded up to a multiple of
+    `multiple` (at least `multiple`), so that batches whose counts differ a little share
+    shapes. The targets' boxes must be xyxy. A handful of launches whatever the batch size, no
+    host sync."""
+    counts = [len(t) for t in targets]
+    g = max(multiple, -(-max(counts, default=0) // multiple) * multiple)
+    device = targets[0].bbox.device
+    total = sum(counts)
+    b = len(targets)
+    if total == 0:
+        boxes = torch.zeros(b, g, 4, device=device, dtype=targets[0].bbox.dtype)
+        return PaddedTargets(boxes, torch.zeros(b, g, dtype=torch.int64, device=device),
+                             torch.zeros(b, g, dtype=torch.bool, device=device))
+    rows = host_tensor([i * g + j for i, n in enumerate(counts) for j in range(n)], torch.int64, device)
+    src = torch.cat([t.bbox for t in targets]) if b > 1 else targets[0].bbox
+    boxes = src.new_zeros(b * g, 4).index_copy_(0, rows, src).view(b, g, 4)
+    valid = torch.zeros(b * g, dtype=torch.bool, device=device).index_fill_(0, rows, True).view(b, g)
+    labels = torch.zeros(b * g, dtype=torch.int64, device=device)
+    if all(t.has_field("labels") for t in targets):
+        lab = [t.get_field("labels").to(torch.int64) for t in targets]
+        labels.index_copy_(0, rows, torch.cat(lab) if b > 1 else lab[0])
+    return PaddedTargets(boxes, labels.view(b, g), valid)
 
 
 def host_tensor(data, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -10,19 +10,20 @@ from .bounding_box import BoxList
 
 
 def box_area(boxes: Tensor) -> Tensor:
-    """Area of [N, 4] xyxy boxes."""
-    return (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    """Area of [..., N, 4] xyxy boxes."""
+    return (boxes[..., 2] - boxes[..., 0]) * (boxes[..., 3] - boxes[..., 1])
 
 
 def box_iou(boxes1: Tensor, boxes2: Tensor) -> Tensor:
-    """IoU of every pair: [N, 4] x [M, 4] xyxy -> [N, M]."""
+    """IoU of every pair: [..., N, 4] x [..., M, 4] xyxy -> [..., N, M] (leading dimensions
+    broadcast: [B, N, 4] x [B, M, 4] gives each batch entry's matrix)."""
     area1 = box_area(boxes1)
     area2 = box_area(boxes2)
-    lt = torch.max(boxes1[:, None, :2], boxes2[:, :2])
-    rb = torch.min(boxes1[:, None, 2:], boxes2[:, 2:])
+    lt = torch.max(boxes1[..., :, None, :2], boxes2[..., None, :, :2])
+    rb = torch.min(boxes1[..., :, None, 2:], boxes2[..., None, :, 2:])
     wh = (rb - lt).clamp(min=0)
-    inter = wh[:, :, 0] * wh[:, :, 1]
-    return inter / (area1[:, None] + area2 - inter)
+    inter = wh[..., 0] * wh[..., 1]
+    return inter / (area1[..., :, None] + area2[..., None, :] - inter)
 
 
 def boxlist_iou(a: BoxList, b: BoxList) -> Tensor:

@@ -13,6 +13,7 @@ from ..registry import META_ARCH_REGISTRY
 from ..roi_heads import build_roi_heads
 from ..rpn import build_rpn
 from ..transform import build_transform, check_targets
+from ..utils import pad_targets
 
 
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
@@ -41,9 +42,11 @@ class GeneralizedRCNN(nn.Module):
 
     On CUDA, training iterations with a repeating input shape run the backbone through CUDA
     graphs (MODEL.BACKBONE.CUDA_GRAPHS, `backbone_graphs`), with the same losses and gradients.
-    In training the RPN and RoI heads work in fixed shapes (padded proposals, sampled slots with
-    a "valid" field), so after the target check the host never waits for the GPU except for
-    the mask head's positive counts, which are copied while earlier work still runs.
+    In training the RPN and RoI heads work in fixed shapes (gt padded to a multiple of 8 boxes
+    per image, padded proposals, sampled slots with a "valid" field), so after the target check
+    the host never waits for the GPU except for the mask head's positive counts, which are
+    copied while earlier work still runs. On CUDA the work that needs no gradients (proposals,
+    matching, sampling, target encoding) replays CUDA graphs as well (MODEL.TARGETS_CUDA_GRAPHS).
     """
 
     def __init__(self, cfg):
@@ -93,14 +96,15 @@ class GeneralizedRCNN(nn.Module):
             self._convert_weights(torch.contiguous_format)
         graphs = self.__dict__.get("backbone_graphs")  # absent from models pickled before it existed
         features = graphs(self.backbone, x) if graphs is not None else self.backbone(x)
-        proposals, losses = self.rpn(image_list, features, boxlists)
+        padded = pad_targets(boxlists) if self.training else None
+        proposals, losses = self.rpn(image_list, features, boxlists, padded)
         if self.roi_heads is None:
             detections = proposals
             for p in detections:
                 p.add_field("scores", p.get_field("objectness"))
                 p.add_field("labels", p.bbox.new_ones(len(p), dtype=torch.int64))
         else:
-            detections, head_losses = self.roi_heads(features, proposals, image_list.image_sizes, boxlists)
+            detections, head_losses = self.roi_heads(features, proposals, image_list.image_sizes, boxlists, padded)
             losses.update(head_losses)
         if self.training:
             return losses

@@ -6,12 +6,15 @@ from typing import Dict, List, Optional, Tuple
 from torch import Tensor, nn
 
 from ...structures import BoxList
+from ..utils import PaddedTargets
 from .box_head.box_head import build_roi_box_head
 from .mask_head.mask_head import build_roi_mask_head
 
 
 class CombinedROIHeads(nn.Module):
-    """forward(features, proposals, image_sizes, targets) -> (detections, losses)."""
+    """forward(features, proposals, image_sizes, targets, padded_targets=None) -> (detections, losses).
+    `padded_targets` (`detops.modeling.utils.pad_targets` of the targets) goes to the box head's
+    sampling."""
 
     def __init__(self, heads: Dict[str, nn.Module]):
         super().__init__()
@@ -19,9 +22,10 @@ class CombinedROIHeads(nn.Module):
             self.add_module(name, head)
 
     def forward(self, features: Dict[str, Tensor], proposals: List[BoxList], image_sizes: List[Tuple[int, int]],
-                targets: Optional[List[BoxList]] = None) -> Tuple[List[BoxList], Dict[str, Tensor]]:
+                targets: Optional[List[BoxList]] = None,
+                padded_targets: Optional[PaddedTargets] = None) -> Tuple[List[BoxList], Dict[str, Tensor]]:
         losses = {}
-        _, detections, box_losses = self.box(features, proposals, image_sizes, targets)
+        _, detections, box_losses = self.box(features, proposals, image_sizes, targets, padded_targets)
         losses.update(box_losses)
         if hasattr(self, "mask"):
             _, detections, mask_losses = self.mask(features, detections, image_sizes, targets)

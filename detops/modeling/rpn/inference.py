@@ -103,9 +103,13 @@ class RPNPostProcessor(nn.Module):
             result.append(bl)
         return result
 
-    def _clip(self, boxes: Tensor, image_sizes: List[Tuple[int, int]]) -> Tensor:
-        """Clip [B, ..., 4] boxes to each image's (h, w)."""
-        sizes = host_tensor(image_sizes, boxes.dtype, boxes.device)  # [B, 2] (h, w)
+    @staticmethod
+    def _clip(boxes: Tensor, image_sizes) -> Tensor:
+        """Clip [B, ..., 4] boxes to each image's (h, w): a list of (h, w) or a Tensor[B, 2]."""
+        if isinstance(image_sizes, Tensor):
+            sizes = image_sizes.to(boxes.dtype)
+        else:
+            sizes = host_tensor(image_sizes, boxes.dtype, boxes.device)  # [B, 2] (h, w)
         shape = (-1,) + (1,) * (boxes.dim() - 2)
         x = torch.minimum(boxes[..., 0::2].clamp(min=0), sizes[:, 1].view(shape + (1,)))
         y = torch.minimum(boxes[..., 1::2].clamp(min=0), sizes[:, 0].view(shape + (1,)))
@@ -113,8 +117,26 @@ class RPNPostProcessor(nn.Module):
 
     def _padded(self, proposals: Tensor, objectness: Tensor, num_anchors_per_level: List[int],
                 image_sizes: List[Tuple[int, int]]) -> List[BoxList]:
-        """The training proposals: [B, A, 4] decoded boxes and [B, A] logits -> post_nms_top_n
-        proposals per image (padding: valid False, zero boxes, objectness 0), no host sync."""
+        boxes, scores, valid = self.padded(proposals, objectness, num_anchors_per_level, image_sizes)
+        return self.boxlists(boxes, scores, valid, image_sizes)
+
+    @staticmethod
+    def boxlists(boxes: Tensor, scores: Tensor, valid: Tensor, image_sizes: List[Tuple[int, int]]) -> List[BoxList]:
+        """`padded`'s tensors as one BoxList per image ("objectness" and "valid" fields)."""
+        result = []
+        for (h, w), b, s, v in zip(image_sizes, boxes, scores, valid):
+            bl = BoxList(b, (w, h), mode="xyxy")
+            bl.add_field("objectness", s)
+            bl.add_field("valid", v)
+            result.append(bl)
+        return result
+
+    def padded(self, proposals: Tensor, objectness: Tensor, num_anchors_per_level: List[int],
+               image_sizes) -> Tuple[Tensor, Tensor, Tensor]:
+        """The training proposals, with no host sync: [B, A, 4] decoded boxes and [B, A] logits
+        -> post_nms_top_n proposals per image as (boxes [B, P, 4], objectness probabilities
+        [B, P], valid [B, P] bool); padding has valid False, zero boxes and objectness 0.
+        image_sizes: a list of (h, w) or a Tensor[B, 2] of them."""
         num_images, num_levels = proposals.shape[0], len(num_anchors_per_level)
         ks = [min(self.pre_nms_top_n(), n) for n in num_anchors_per_level]
         width = max(ks)
@@ -142,14 +164,7 @@ class RPNPostProcessor(nn.Module):
         top, idx = kept_scores.topk(min(self.post_nms_top_n(), num_levels * per_level), dim=1)
         valid = top > float("-inf")
         boxes = torch.where(valid[..., None], kept_boxes.gather(1, idx[..., None].expand(-1, -1, 4)), 0.0)
-        top = torch.where(valid, top, 0.0)
-        result = []
-        for (h, w), b, s, v in zip(image_sizes, boxes, top, valid):
-            bl = BoxList(b, (w, h), mode="xyxy")
-            bl.add_field("objectness", s)
-            bl.add_field("valid", v)
-            result.append(bl)
-        return result
+        return boxes, torch.where(valid, top, 0.0), valid
 
 
 def make_rpn_postprocessor(cfg, box_coder: BoxCoder) -> RPNPostProcessor:

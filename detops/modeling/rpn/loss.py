@@ -13,6 +13,7 @@ from ...structures.boxlist_ops import box_iou
 from ..balanced_positive_negative_sampler import BalancedPositiveNegativeSampler
 from ..box_coder import BoxCoder
 from ..matcher import Matcher
+from ..utils import pad_targets
 
 
 class RPNLossComputation:
@@ -27,42 +28,57 @@ class RPNLossComputation:
         self.fg_bg_sampler = fg_bg_sampler
         self.box_coder = box_coder
 
-    def prepare_targets(self, anchors: List[Tensor], targets: List[BoxList]) -> Tuple[List[Tensor], List[Tensor]]:
-        """Per image: labels (1 fg, 0 bg, -1 ignored) and matched gt boxes of every anchor."""
-        labels, matched_boxes = [], []
-        for a, t in zip(anchors, targets):
-            gt = t.bbox
-            if gt.numel() == 0:
-                labels.append(torch.zeros(a.shape[0], dtype=torch.float32, device=a.device))
-                matched_boxes.append(torch.zeros_like(a))
-                continue
-            idx = self.proposal_matcher(box_iou(gt, a))
-            matched_boxes.append(gt[idx.clamp(min=0)])
-            lab = (idx >= 0).to(torch.float32)
-            lab[idx == Matcher.BELOW_LOW_THRESHOLD] = 0.0
-            lab[idx == Matcher.BETWEEN_THRESHOLDS] = -1.0
-            labels.append(lab)
-        return labels, matched_boxes
+    def targets(self, anchors: Tensor, gt_boxes: Tensor, gt_valid: Tensor) -> Tuple[Tensor, ...]:
+        """The sampled anchors of every image and their training targets, in fixed shapes (no
+        host sync).
+
+        Args:
+            anchors (Tensor[B, A, 4]): each image's anchors.
+            gt_boxes (Tensor[B, G, 4]), gt_valid (Tensor[B, G] bool): each image's gt, padded
+                (`detops.modeling.utils.pad_targets`).
+        Returns:
+            (slots, labels, sampled, positive, regression_targets, count): the S anchors drawn
+            per image (Tensor[B, S] int64 positions in A, as `BalancedPositiveNegativeSampler.
+            sample` gives them), their labels (Tensor[B, S] float, 1 foreground, 0 background),
+            which slots hold a drawn anchor and which a foreground one (two Tensor[B, S] bool),
+            the regression targets (Tensor[B, S, 4], zeros except on positives) and the number
+            of drawn anchors (at least 1) as a float scalar tensor.
+        """
+        idx = self.proposal_matcher.match_batch(box_iou(gt_boxes, anchors), gt_valid)  # [B, A]
+        labels = torch.where(idx >= 0, 1.0, torch.where(idx == Matcher.BETWEEN_THRESHOLDS, -1.0, 0.0))
+        slots, sampled = self.fg_bg_sampler.sample(labels)
+        labels = labels.gather(1, slots).clamp(min=0)
+        positive = sampled & (labels > 0)
+        matched = gt_boxes.gather(1, idx.gather(1, slots).clamp(min=0)[..., None].expand(-1, -1, 4))
+        drawn = anchors.gather(1, slots[..., None].expand(-1, -1, 4))
+        regression_targets = self.box_coder.encode(matched.flatten(0, 1), drawn.flatten(0, 1)).view(drawn.shape)
+        # anchors matched to padding (images without gt) encode zero boxes (infinite log-sizes)
+        regression_targets = torch.where(positive[..., None], regression_targets, 0.0)
+        return slots, labels, sampled, positive, regression_targets, sampled.sum().clamp(min=1).to(labels.dtype)
+
+    @staticmethod
+    def losses(objectness: Tensor, deltas: Tensor, slots: Tensor, labels: Tensor, sampled: Tensor, positive: Tensor,
+               regression_targets: Tensor, count: Tensor) -> Tuple[Tensor, Tensor]:
+        """objectness [B * A, 1] and deltas [B * A, 4] against `targets`' outputs -> (objectness
+        loss, box loss) over the drawn anchors: masked sums divided by their number on the
+        device. The gathers' backward scatters into the drawn anchors only."""
+        b = slots.shape[0]
+        obj = objectness.reshape(b, -1).gather(1, slots)
+        reg = deltas.reshape(b, -1, 4).gather(1, slots[..., None].expand(-1, -1, 4))
+        box = F.smooth_l1_loss(reg.float(), regression_targets, beta=1 / 9, reduction="none").sum(2)
+        box_loss = torch.where(positive, box, 0.0).sum() / count
+        obj = F.binary_cross_entropy_with_logits(obj.float(), labels, reduction="none")
+        obj_loss = torch.where(sampled, obj, 0.0).sum() / count
+        return obj_loss, box_loss
 
     def __call__(self, anchors: List[Tensor], objectness: Tensor, deltas: Tensor,
                  targets: List[BoxList]) -> Tuple[Tensor, Tensor]:
         """objectness [B * A, 1], deltas [B * A, 4] -> (objectness loss, box loss).
 
-        The sampled anchors are a mask over all anchors (`sample` draws them in fixed shapes),
-        and both losses are masked sums divided by the number of sampled anchors on the
-        device, so nothing is read back to the host."""
-        labels, matched_boxes = self.prepare_targets(anchors, targets)
-        labels = torch.stack(labels)  # [B, A]: 1, 0, -1
-        idx, ok = self.fg_bg_sampler.sample(labels)
-        sampled = torch.zeros_like(labels).scatter_add_(1, idx, ok.to(labels.dtype)).flatten() > 0
-        labels = labels.flatten()
-        positive = sampled & (labels > 0)
-        count = sampled.sum().clamp(min=1)
-        regression_targets = self.box_coder.encode(torch.cat(matched_boxes), torch.cat(anchors))
-        # anchors of an image without gt encode zero boxes (infinite log-sizes): zero them
-        regression_targets = torch.where(positive[:, None], regression_targets, 0.0)
-        box = F.smooth_l1_loss(deltas.float(), regression_targets, beta=1 / 9, reduction="none").sum(1)
-        box_loss = torch.where(positive, box, 0.0).sum() / count
-        obj = F.binary_cross_entropy_with_logits(objectness.flatten().float(), labels.clamp(min=0), reduction="none")
-        obj_loss = torch.where(sampled, obj, 0.0).sum() / count
-        return obj_loss, box_loss
+        The anchors are drawn in fixed shapes (`BalancedPositiveNegativeSampler.sample`), and
+        both losses are masked sums divided by the number of drawn anchors on the device, so
+        nothing is read back to the host."""
+        gt = pad_targets(targets)
+        with torch.no_grad():
+            t = self.targets(torch.stack(anchors), gt.boxes.to(anchors[0].dtype), gt.valid)
+        return self.losses(objectness, deltas, *t)

@@ -7,13 +7,15 @@ from torch import Tensor, nn
 
 from ....structures import BoxList
 from ...registry import ROI_BOX_FEATURE_EXTRACTORS, ROI_BOX_PREDICTOR
+from ...utils import PaddedTargets
 from . import roi_box_feature_extractors, roi_box_predictors  # noqa: F401  (registration)
 from .inference import make_roi_box_post_processor
 from .loss import make_roi_box_loss_evaluator
 
 
 class ROIBoxHead(nn.Module):
-    """forward(features, proposals, targets) -> (box features, proposals or detections, losses).
+    """forward(features, proposals, image_sizes, targets, padded_targets=None) -> (box features,
+    proposals or detections, losses).
 
     In training the returned BoxLists are the sampled RoIs (with "labels", "matched_idxs");
     in eval they are the detections (with "scores", "labels").
@@ -28,9 +30,9 @@ class ROIBoxHead(nn.Module):
         self.loss_evaluator = make_roi_box_loss_evaluator(cfg)
 
     def forward(self, features: Dict[str, Tensor], proposals: List[BoxList], image_sizes: List[Tuple[int, int]],
-                targets: Optional[List[BoxList]] = None):
+                targets: Optional[List[BoxList]] = None, padded_targets: Optional[PaddedTargets] = None):
         if self.training:
-            proposals = self.loss_evaluator.subsample(proposals, targets)
+            proposals = self.loss_evaluator.subsample(proposals, targets, padded_targets)
         x = self.feature_extractor(features, [p.bbox for p in proposals], image_sizes)
         class_logits, box_regression = self.predictor(x)
         if not self.training:
