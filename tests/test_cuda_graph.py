@@ -208,25 +208,25 @@ def test_batch_norm_with_running_statistics_runs_eagerly():
     assert runner.captures == 0 and net[1].num_batches_tracked.item() == 1
 
 
-@cuda
-def test_detector_training_with_backbone_graphs_matches_eager():
-    """With deterministic algorithms (no atomic adds in the heads' backward), a detector whose
-    backbone replays CUDA graphs trains bitwise like an eager one, optimizer updates included."""
+def _train_side_by_side(*overrides, steps=5):
+    """Two detectors built alike except for the config `overrides` (one list each), trained
+    `steps` SGD steps on one batch with deterministic algorithms (no atomic adds in the heads'
+    backward) and one seed per step: asserts their losses, gradients and weights are bitwise
+    the same, and returns them."""
     from detops.modeling import build_detection_model
 
     was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         models = []
-        for graphs in (0, 1):
+        for extra in overrides:
             cfg = _tiny_cfg()
-            cfg.merge_from_list(["MODEL.DEVICE", "cuda", "MODEL.BACKBONE.CUDA_GRAPHS", graphs,
-                                 "MODEL.BACKBONE.CUDA_GRAPH_AFTER", 2])
+            cfg.merge_from_list(["MODEL.DEVICE", "cuda"] + extra)
             torch.manual_seed(0)
             models.append(build_detection_model(cfg).cuda().train())
         images, targets = _batch("cuda")
         opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01, momentum=0.9) for m in models]
-        for step in range(5):
+        for step in range(steps):
             losses, grads = [], []
             for model, opt in zip(models, opts):
                 torch.manual_seed(step)  # the samplers draw the same proposals
@@ -241,8 +241,17 @@ def test_detector_training_with_backbone_graphs_matches_eager():
         _assert_same(list(models[0].parameters()), list(models[1].parameters()))
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
-    assert models[0].backbone_graphs.replays == 0
-    assert models[1].backbone_graphs.captures == 1 and models[1].backbone_graphs.replays == 4
+    return models
+
+
+@cuda
+def test_detector_training_with_backbone_graphs_matches_eager():
+    """A detector whose backbone replays CUDA graphs trains bitwise like an eager one,
+    optimizer updates included."""
+    eager, graphed = _train_side_by_side(*[["MODEL.BACKBONE.CUDA_GRAPHS", graphs, "MODEL.BACKBONE.CUDA_GRAPH_AFTER", 2]
+                                           for graphs in (0, 1)])
+    assert eager.backbone_graphs.replays == 0
+    assert graphed.backbone_graphs.captures == 1 and graphed.backbone_graphs.replays == 4
 
 
 def test_copies_keep_the_settings_and_drop_the_graphs():
@@ -372,35 +381,8 @@ def test_function_runner_settings_and_copies():
 def test_detector_training_with_target_graphs_matches_eager():
     """The RPN's proposals and targets and the box head's sampling replayed from CUDA graphs
     give eager mode's losses and gradients bitwise, random draws of the samplers included."""
-    from detops.modeling import build_detection_model
-
-    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        models = []
-        for graphs in (0, 2):
-            cfg = _tiny_cfg()
-            cfg.merge_from_list(["MODEL.DEVICE", "cuda", "MODEL.BACKBONE.CUDA_GRAPHS", 0,
-                                 "MODEL.TARGETS_CUDA_GRAPHS", graphs, "MODEL.TARGETS_CUDA_GRAPH_AFTER", 2])
-            torch.manual_seed(0)
-            models.append(build_detection_model(cfg).cuda().train())
-        images, targets = _batch("cuda")
-        opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01, momentum=0.9) for m in models]
-        for step in range(5):
-            losses, grads = [], []
-            for model, opt in zip(models, opts):
-                torch.manual_seed(step)
-                opt.zero_grad(set_to_none=True)
-                out = model(images, targets)
-                sum(out.values()).backward()
-                grads.append(_grads(model))
-                opt.step()
-                losses.append({k: v.item() for k, v in out.items()})
-            assert losses[0] == losses[1], step
-            _assert_same(*grads)
-    finally:
-        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
-    eager, graphed = models
+    eager, graphed = _train_side_by_side(*[["MODEL.BACKBONE.CUDA_GRAPHS", 0, "MODEL.TARGETS_CUDA_GRAPHS", graphs,
+                                            "MODEL.TARGETS_CUDA_GRAPH_AFTER", 2] for graphs in (0, 2)])
     assert eager.rpn.target_graphs.replays == 0 and eager.roi_heads.box.loss_evaluator.graphs.replays == 0
     for runner in (graphed.rpn.target_graphs, graphed.roi_heads.box.loss_evaluator.graphs):
         assert runner.captures == 1 and runner.replays == 4

@@ -194,7 +194,48 @@ class _Replay(torch.autograd.Function):
         return (None, None, *out)
 
 
-class GraphedTraining:
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling()
+
+
+class _Runner:
+    """Settings, counters and copies shared by the graph runners: a copy or a pickle keeps the
+    settings and drops the graphs."""
+
+    def __init__(self, max_graphs: int, after: int, warmup: int):
+        if max_graphs < 0 or after < 1 or warmup < 1:
+            raise ValueError(f"{type(self).__name__}: need max_graphs >= 0, after >= 1 and warmup >= 1, got "
+                             f"max_graphs={max_graphs}, after={after}, warmup={warmup}")
+        self.max_graphs, self.after, self.warmup = max_graphs, after, warmup
+        self.reset()
+
+    def reset(self) -> None:
+        """Drops every graph (and the memory it holds)."""
+        self.graphs: Dict[tuple, Any] = {}
+        self.last_key: Optional[tuple] = None
+        self.streak = 0
+        self.captures = 0
+        self.replays = 0
+
+    def __getstate__(self):
+        return {"max_graphs": self.max_graphs, "after": self.after, "warmup": self.warmup}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def __deepcopy__(self, memo):
+        return type(self)(self.max_graphs, self.after, self.warmup)
+
+    def _capture_now(self, key: tuple, captured: int) -> bool:
+        """Counts a call whose key has no graph yet: True once the key has come `after` times in
+        a row and fewer than max_graphs keys have graphs."""
+        self.streak = self.streak + 1 if key == self.last_key else 1
+        self.last_key = key
+        return self.streak >= self.after and captured < self.max_graphs
+
+
+class GraphedTraining(_Runner):
     """Runs `module(x)` through CUDA graphs of its training forward and backward.
 
     Args:
@@ -210,37 +251,17 @@ class GraphedTraining:
     """
 
     def __init__(self, max_graphs: int = 1, after: int = 3, warmup: int = 2):
-        if max_graphs < 0 or after < 1 or warmup < 1:
-            raise ValueError(f"GraphedTraining: need max_graphs >= 0, after >= 1 and warmup >= 1, got "
-                             f"max_graphs={max_graphs}, after={after}, warmup={warmup}")
-        self.max_graphs, self.after, self.warmup = max_graphs, after, warmup
-        self.reset()
+        super().__init__(max_graphs, after, warmup)
 
     def reset(self) -> None:
         """Drops every graph (and the memory they hold)."""
-        self.graphs: Dict[tuple, _Graph] = {}
+        super().reset()
         self.signature: Optional[tuple] = None
-        self.last_key: Optional[tuple] = None
-        self.streak = 0
-        self.captures = 0
-        self.replays = 0
-
-    def __getstate__(self):
-        return {"max_graphs": self.max_graphs, "after": self.after, "warmup": self.warmup}
-
-    def __setstate__(self, state):
-        self.__init__(**state)
-
-    def __deepcopy__(self, memo):
-        return GraphedTraining(self.max_graphs, self.after, self.warmup)
 
     def _eligible(self, module: nn.Module, x: Tensor) -> bool:
         if self.max_graphs == 0 or not x.is_cuda or not module.training or not torch.is_grad_enabled():
             return False
-        if x.requires_grad or _autocast_on() or torch.cuda.is_current_stream_capturing():
-            return False
-        compiler = getattr(torch, "compiler", None)
-        if compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling():
+        if x.requires_grad or _autocast_on() or torch.cuda.is_current_stream_capturing() or _compiling():
             return False
         return not _global_hooks()
 
@@ -258,9 +279,7 @@ class GraphedTraining:
         key = (tuple(x.shape), x.stride(), x.dtype, x.device)
         graph = self.graphs.get(key)
         if graph is None:
-            self.streak = self.streak + 1 if key == self.last_key else 1
-            self.last_key = key
-            if self.streak < self.after or len(self.graphs) >= self.max_graphs:
+            if not self._capture_now(key, len(self.graphs)):
                 return module(x)
             graph = self.graphs[key] = _Graph(module, x, self.warmup)
             self.captures += 1
@@ -323,7 +342,7 @@ class _FunctionGraph:
         return tuple(o.clone() for o in self.static_out)
 
 
-class GraphedFunction:
+class GraphedFunction(_Runner):
     """Runs `fn(*tensors)`, a function that needs no gradients, through CUDA graphs.
 
     For work such as a detector's proposal selection and training-target sampling: hundreds of
@@ -352,36 +371,14 @@ class GraphedFunction:
     """
 
     def __init__(self, max_graphs: int = 2, after: int = 3, warmup: int = 1):
-        if max_graphs < 0 or after < 1 or warmup < 1:
-            raise ValueError(f"GraphedFunction: need max_graphs >= 0, after >= 1 and warmup >= 1, got "
-                             f"max_graphs={max_graphs}, after={after}, warmup={warmup}")
-        self.max_graphs, self.after, self.warmup = max_graphs, after, warmup
-        self.reset()
-
-    def reset(self) -> None:
-        """Drops every graph (and the memory it holds)."""
-        self.graphs: Dict[tuple, Optional[_FunctionGraph]] = {}
-        self.last_key: Optional[tuple] = None
-        self.streak = 0
-        self.captures = 0
-        self.replays = 0
-
-    def __getstate__(self):
-        return {"max_graphs": self.max_graphs, "after": self.after, "warmup": self.warmup}
-
-    def __setstate__(self, state):
-        self.__init__(**state)
-
-    def __deepcopy__(self, memo):
-        return GraphedFunction(self.max_graphs, self.after, self.warmup)
+        super().__init__(max_graphs, after, warmup)
 
     def _eligible(self, tensors: Tuple[Tensor, ...]) -> bool:
         if self.max_graphs == 0 or not tensors or \
                 not all(t.is_cuda and t.device == tensors[0].device for t in tensors) or \
                 torch.cuda.is_current_stream_capturing():
             return False
-        compiler = getattr(torch, "compiler", None)
-        return not (compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+        return not _compiling()
 
     def __call__(self, fn, *tensors: Tensor, key: tuple = ()) -> Tuple[Tensor, ...]:
         if not self._eligible(tensors):
@@ -389,10 +386,7 @@ class GraphedFunction:
         full_key = (key, torch.are_deterministic_algorithms_enabled(), _autocast_on(),
                     tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
         if full_key not in self.graphs:
-            self.streak = self.streak + 1 if full_key == self.last_key else 1
-            self.last_key = full_key
-            captured = sum(g is not None for g in self.graphs.values())
-            if self.streak < self.after or captured >= self.max_graphs:
+            if not self._capture_now(full_key, sum(g is not None for g in self.graphs.values())):
                 return run_eagerly(fn, *tensors)
             rng = torch.cuda.get_rng_state(tensors[0].device)
             try:
