@@ -225,23 +225,12 @@ class _Marks:
             print(f"{label:<34}{h:9.2f}{g:9.2f}{g - h:12.2f}")
 
 
-class _Callable:
-    """A plain callable standing in for an attribute that was a callable object."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-
 def _timeline(name, model, opt, images, targets, steps) -> None:
     """Host and GPU arrival at each part of a training step, nothing synchronized inside it."""
     marks = _Marks()
     for label, module in _parts(model):
-        if label == "backbone" and "backbone_graphs" in model.__dict__:
-            graphs = model.__dict__["backbone_graphs"]
-            model.__dict__["backbone_graphs"] = _Callable(lambda m, x, g=graphs: _marked(marks, "backbone", g, m, x))
+        if label == "backbone" and "backbone_graphs" in model.__dict__:  # the graphs' runner calls the backbone
+            marks.wrap(model.__dict__["backbone_graphs"], "__call__", label)
         else:
             marks.wrap(module, "forward", label)
     rpn = model.rpn
@@ -282,13 +271,6 @@ def _timeline(name, model, opt, images, targets, steps) -> None:
         marks.collect()
     print(f"==== {name}: {(time.perf_counter() - t0) * 1e3 / steps:.2f} ms a step (with a sync after each)")
     marks.report(name)
-
-
-def _marked(marks: _Marks, label: str, graphs, module, x):
-    marks.mark(f"{label} >")
-    out = graphs(module, x)
-    marks.mark(f"{label} <")
-    return out
 
 
 def main() -> None:

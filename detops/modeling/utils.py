@@ -51,21 +51,14 @@ def pad_targets(targets: List[BoxList], multiple: int = 8) -> PaddedTargets:
     host sync."""
     counts = [len(t) for t in targets]
     g = max(multiple, -(-max(counts, default=0) // multiple) * multiple)
-    device = targets[0].bbox.device
-    total = sum(counts)
-    b = len(targets)
-    if total == 0:
-        boxes = torch.zeros(b, g, 4, device=device, dtype=targets[0].bbox.dtype)
-        return PaddedTargets(boxes, torch.zeros(b, g, dtype=torch.int64, device=device),
-                             torch.zeros(b, g, dtype=torch.bool, device=device))
+    b, device = len(targets), targets[0].bbox.device
     rows = host_tensor([i * g + j for i, n in enumerate(counts) for j in range(n)], torch.int64, device)
-    src = torch.cat([t.bbox for t in targets]) if b > 1 else targets[0].bbox
+    src = cat([t.bbox for t in targets])
     boxes = src.new_zeros(b * g, 4).index_copy_(0, rows, src).view(b, g, 4)
     valid = torch.zeros(b * g, dtype=torch.bool, device=device).index_fill_(0, rows, True).view(b, g)
     labels = torch.zeros(b * g, dtype=torch.int64, device=device)
     if all(t.has_field("labels") for t in targets):
-        lab = [t.get_field("labels").to(torch.int64) for t in targets]
-        labels.index_copy_(0, rows, torch.cat(lab) if b > 1 else lab[0])
+        labels.index_copy_(0, rows, cat([t.get_field("labels").to(torch.int64) for t in targets]))
     return PaddedTargets(boxes, labels.view(b, g), valid)
 
 

@@ -2,18 +2,16 @@
 sample of anchors per image."""
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Tuple
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from ...structures import BoxList
 from ...structures.boxlist_ops import box_iou
 from ..balanced_positive_negative_sampler import BalancedPositiveNegativeSampler
 from ..box_coder import BoxCoder
 from ..matcher import Matcher
-from ..utils import pad_targets
 
 
 class RPNLossComputation:
@@ -21,6 +19,10 @@ class RPNLossComputation:
     proposal_matcher (Matcher): anchors vs ground truth (fg >= 0.7, bg < 0.3, low-quality matches kept).
     fg_bg_sampler (BalancedPositiveNegativeSampler): anchors sampled per image.
     box_coder (BoxCoder): encodes regression targets.
+
+    targets(anchors, gt_boxes, gt_valid) draws the anchors and builds their targets (no
+    gradients: the RPN runs it through CUDA graphs); losses(objectness, deltas, *targets) gives
+    (objectness loss, box loss).
     """
 
     def __init__(self, proposal_matcher: Matcher, fg_bg_sampler: BalancedPositiveNegativeSampler, box_coder: BoxCoder):
@@ -70,15 +72,3 @@ class RPNLossComputation:
         obj = F.binary_cross_entropy_with_logits(obj.float(), labels, reduction="none")
         obj_loss = torch.where(sampled, obj, 0.0).sum() / count
         return obj_loss, box_loss
-
-    def __call__(self, anchors: List[Tensor], objectness: Tensor, deltas: Tensor,
-                 targets: List[BoxList]) -> Tuple[Tensor, Tensor]:
-        """objectness [B * A, 1], deltas [B * A, 4] -> (objectness loss, box loss).
-
-        The anchors are drawn in fixed shapes (`BalancedPositiveNegativeSampler.sample`), and
-        both losses are masked sums divided by the number of drawn anchors on the device, so
-        nothing is read back to the host."""
-        gt = pad_targets(targets)
-        with torch.no_grad():
-            t = self.targets(torch.stack(anchors), gt.boxes.to(anchors[0].dtype), gt.valid)
-        return self.losses(objectness, deltas, *t)

@@ -62,16 +62,14 @@ class RPNModule(nn.Module):
         if targets is None:
             raise ValueError("RPN: targets are needed in training mode")
         gt = padded_targets if padded_targets is not None else pad_targets(targets)
-        deltas_d = deltas.detach()
-        sizes = host_tensor(images.image_sizes, torch.float64 if deltas_d.dtype == torch.float64 else torch.float32,
-                            deltas_d.device)
+        sizes = host_tensor(images.image_sizes, torch.float32, deltas.device)  # exact: sizes below 2^24
         levels = tuple(num_anchors_per_level)
         sel, ev = self.box_selector, self.loss_evaluator
         key = (levels, sel.pre_nms_top_n(), sel.post_nms_top_n(), sel.nms_thresh, sel.min_size, sel.score_thresh,
                sel.box_coder.weights, ev.proposal_matcher.high_threshold, ev.proposal_matcher.low_threshold,
                ev.fg_bg_sampler.batch_size_per_image, ev.fg_bg_sampler.positive_fraction)
         runner = self.__dict__.get("target_graphs", run_eagerly)  # absent from models pickled before it existed
-        out = runner(functools.partial(self._training_targets, levels), objectness.detach(), deltas_d, sizes,
+        out = runner(functools.partial(self._training_targets, levels), objectness.detach(), deltas.detach(), sizes,
                      gt.boxes.to(anchors[0].dtype), gt.valid, *anchors, key=key)
         proposals = self.box_selector.boxlists(*out[:3], images.image_sizes)
         obj_loss, box_loss = self.loss_evaluator.losses(objectness, deltas, *out[3:])
