@@ -639,11 +639,15 @@ def test_roi_kernel_choice_is_checked():
 # (batch, channels, height, width, rois, min side, max side, spill, pooled size, sampling ratio,
 #  aligned). float32 planes 600 wide stage windows of about 40 rows in the backward and, as
 # channel pairs, of 21 rows (16 owned, 5 overlap) in the forward; RoIs 90 rows tall have bins
-# taller than either overlap. Odd channel counts leave a last channel without a pair. 1200 RoIs
-# on two 64 x 64 maps give one block thousands of bin rows.
+# taller than either overlap. Odd channel counts leave a last channel without a pair. The
+# forward stages four channels per pixel for float32 bins shorter than 7x7 ones (9 bin rows
+# here) and for 16-bit types: 300-wide float32 planes give windows of 21 rows, and 9 channels
+# two groups of four and a last channel. 1200 RoIs on two 64 x 64 maps give one block
+# thousands of bin rows.
 BAND_CASES = {
     "one band": (2, 8, 40, 56, 300, 2, 30, 0.0, (7, 7), 2, True),
     "bands, tall bins": (1, 5, 100, 600, 400, 2, 90, 0.1, (7, 7), 2, True),
+    "channel quads, tall bins": (1, 9, 100, 300, 400, 2, 90, 0.1, (9, 5), 2, True),
     "odd sizes": (3, 4, 97, 301, 500, 1, 97, 0.2, (14, 14), 1, False),
     "spilling RoIs": (2, 3, 120, 400, 200, 4, 200, 0.5, (3, 5), 4, False),
     "many RoIs": (2, 6, 64, 64, 1200, 1, 20, 0.0, (7, 7), 3, True),
@@ -689,7 +693,7 @@ def test_cuda_band_kernels_agree_with_gather_and_cpu(case):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", ["bands, tall bins", "many RoIs"])
+@pytest.mark.parametrize("case", ["bands, tall bins", "channel quads, tall bins", "many RoIs"])
 def test_cuda_band_kernels_dtypes(dtype, case):
     batch, c, h, w, k, lo, hi, spill, pooled, sr, aligned = BAND_CASES[case]
     scale = 0.5

@@ -83,9 +83,11 @@ struct alignas(NC * sizeof(T)) Lanes {
 // Copies rows [rows.first, rows.last) of NC row-major planes with `width` columns into `smem`,
 // interleaved: staged pixel (r, x) holds the planes' values at (rows.first + r, x), at pixel
 // index r * p.stride + x (p planned for pixels of NC values). All threads of the block take
-// part; the caller synchronizes. Planes whose rows are whole 16-byte vectors are read a vector
-// at a time, four loads per thread in flight, and stored pixel by pixel (the shared rows have
-// an odd stride).
+// part; the caller synchronizes. Interleaved planes are copied a pixel per lane, so that a
+// warp stores consecutive pixels (no bank conflicts; a lane storing the pixels of its own
+// 16-byte vectors of each plane conflicts four ways, and measured no faster). A single plane
+// whose rows are whole 16-byte vectors is read a vector at a time, four loads per thread in
+// flight, and stored element by element (the shared rows have an odd stride).
 template <typename T, int NC>
 __device__ __forceinline__ void stage_rows(
     const T* const (&planes)[NC], int width, const BandPlan& p, BandRows rows, T* __restrict__ smem) {
@@ -94,7 +96,7 @@ __device__ __forceinline__ void stage_rows(
   constexpr int kPerVec = sizeof(T) >= 16 ? 1 : static_cast<int>(16 / sizeof(T));
   const int64_t offset = static_cast<int64_t>(rows.first) * width;
   const int n_rows = rows.last - rows.first;
-  bool vectors = sizeof(T) < 16 && width % kPerVec == 0;
+  bool vectors = NC == 1 && sizeof(T) < 16 && width % kPerVec == 0;
 #pragma unroll
   for (int j = 0; j < NC; ++j) vectors = vectors && reinterpret_cast<uintptr_t>(planes[j] + offset) % 16 == 0;
   if (vectors) {
@@ -103,7 +105,7 @@ __device__ __forceinline__ void stage_rows(
     };
     const int vw = width / kPerVec;
     const int total = n_rows * vw;
-    constexpr int kUnroll = 4 / NC;
+    constexpr int kUnroll = 4;
     for (int base = threadIdx.x; base < total; base += kUnroll * blockDim.x) {
       Vec v[kUnroll][NC];
 #pragma unroll

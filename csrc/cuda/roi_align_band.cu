@@ -15,13 +15,13 @@
 //      its bins as zeros and the backward gives it no gradient. So RoIs far outside the
 //      map (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
 //   2. each block lists the bin rows with its key, then for each channel of its group (each
-//      pair of channels, in the forward) stages the band and computes the listed bins.
+//      two or four channels, in the forward) stages the band and computes the listed bins.
 // Forward: a bin is the same sum, term for term, as in the tiled gather kernel; pixel rows past
 // the staged window (a bin row taller than the overlap) are read from global memory. The
 // forward is bound by load wavefronts (the taps from L1/L2, shared-memory reads with bank
 // conflicts), not by arithmetic: so taps are 8 bytes, loaded two at a time, and the band holds
-// two channel planes interleaved, so that one list entry, one set of taps and weights, and one
-// 8-byte shared load serve two channels (BENCHMARKS.md, "roi_align band forward").
+// two or four channel planes interleaved, so that one list entry, one set of taps and weights,
+// and one 8- or 16-byte shared load serve them all (BENCHMARKS.md, "roi_align band forward").
 // Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
 // shared memory with shared-memory atomics, then writes the band out. Rows that two bands
 // stage (the first `overlap` rows of every band but the first) are zeroed beforehand and
@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "../common/roi_align_geometry.h"
@@ -194,36 +195,6 @@ struct ListWalk {
   }
 };
 
-// Pixel rows of the staged band, as 32-bit shared-memory addresses. Loads go through ld.shared
-// so that an element's address is one add (row + column bytes); with C++ pointers the compiler
-// rebuilds row * stride + column and the shared window base for every load.
-template <typename T>
-__device__ __forceinline__ T load_shared(uint32_t addr);
-template <>
-__device__ __forceinline__ float load_shared<float>(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
-  return v;
-}
-template <>
-__device__ __forceinline__ double load_shared<double>(uint32_t addr) {
-  double v;
-  asm volatile("ld.shared.f64 %0, [%1];" : "=d"(v) : "r"(addr));
-  return v;
-}
-template <>
-__device__ __forceinline__ c10::Half load_shared<c10::Half>(uint32_t addr) {
-  unsigned short v;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-  return c10::Half(v, c10::Half::from_bits());
-}
-template <>
-__device__ __forceinline__ c10::BFloat16 load_shared<c10::BFloat16>(uint32_t addr) {
-  unsigned short v;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-  return c10::BFloat16(v, c10::BFloat16::from_bits());
-}
-
 // Adds v to the acc_t at a shared address (a compare-and-swap loop on GPUs without a native
 // shared-memory float add, as atomicAdd on a shared pointer).
 template <typename T>
@@ -238,25 +209,36 @@ __device__ __forceinline__ void add_shared<double>(uint32_t addr, double v) {
 }
 
 // Loads of NC channels' values at a shared address (the band stages NC channel planes
-// interleaved, each pixel's NC values side by side).
+// interleaved, each pixel's NC values side by side): one load of 2, 4, 8 or 16 bytes. Loads go
+// through ld.shared with 32-bit shared addresses, so that an element's address is one add (row
+// + column bytes); with C++ pointers the compiler rebuilds row * stride + column and the shared
+// window base for every load.
 using plane_band::Lanes;
 template <typename T, int NC>
 __device__ __forceinline__ Lanes<T, NC> load_shared_lanes(uint32_t addr) {
-  if constexpr (NC == 1) {
-    return Lanes<T, 1>{{load_shared<T>(addr)}};
-  } else if constexpr (std::is_same_v<T, float>) {
-    float a, b;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr));
-    return Lanes<T, 2>{{a, b}};
-  } else if constexpr (std::is_same_v<T, double>) {
-    double a, b;
-    asm volatile("ld.shared.v2.f64 {%0, %1}, [%2];" : "=d"(a), "=d"(b) : "r"(addr));
-    return Lanes<T, 2>{{a, b}};
-  } else {  // Half, BFloat16
-    unsigned short a, b;
-    asm volatile("ld.shared.v2.u16 {%0, %1}, [%2];" : "=h"(a), "=h"(b) : "r"(addr));
-    return Lanes<T, 2>{{T(a, T::from_bits()), T(b, T::from_bits())}};
+  constexpr int kBytes = static_cast<int>(NC * sizeof(T));
+  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "a staged pixel is 2 to 16 bytes");
+  Lanes<T, NC> out;
+  if constexpr (kBytes == 16) {
+    uint32_t w[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "r"(addr));
+    memcpy(&out, w, 16);
+  } else if constexpr (kBytes == 8) {
+    uint32_t w[2];
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(addr));
+    memcpy(&out, w, 8);
+  } else if constexpr (kBytes == 4) {
+    uint32_t w;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(addr));
+    memcpy(&out, &w, 4);
+  } else {
+    unsigned short w;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(w) : "r"(addr));
+    memcpy(&out, &w, 2);
   }
+  return out;
 }
 
 // Pixel rows of the staged band: row(y) is a shared address, at(row, x) the NC values of
@@ -290,10 +272,10 @@ struct PlaneRows {
   }
 };
 
-// NC = 2: the band holds two channel planes interleaved (half the rows of NC = 1 in the same
-// shared memory), so that each bin's list entry, taps and weights, and each shared-memory load
-// instruction, serve two channels. The kernel is bound by load wavefronts (taps from L1/L2,
-// shared-memory reads with bank conflicts), not by arithmetic.
+// NC = 2 or 4: the band holds NC channel planes interleaved (1 / NC of the rows of NC = 1 in
+// the same shared memory), so that each bin's list entry, taps and weights, and each
+// shared-memory load instruction, serve NC channels. The kernel is bound by load wavefronts
+// (taps from L1/L2, shared-memory reads with bank conflicts), not by arithmetic.
 template <typename scalar_t, typename acc_t, int G, int NC>
 __global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
     const scalar_t* __restrict__ input, const BandTap<acc_t>* __restrict__ taps,
@@ -646,13 +628,19 @@ bool roi_align_forward_band(
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_align", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    // Two channels per staged band where a band of pairs still holds enough rows.
-    const BandPlan pair_plan = band_plan(height, width, 2 * input.element_size());
-    const bool pairs = channels >= 2 && pair_plan.ok;
+    // Channels per staged pixel (BENCHMARKS.md, "roi_align band forward"): four of half or
+    // bfloat16 (8 bytes); two of float, four for bins shorter than 7x7 ones (RoIs of a given
+    // height have shorter bins, so fewer bin rows outgrow the shorter bands that 16-byte pixels
+    // leave); two of double. Fewer where a band would hold too few rows.
+    int nc = sizeof(scalar_t) == 2 ? 4 : sizeof(scalar_t) == 4 ? (pooled_height > 7 ? 4 : 2) : 2;
+    BandPlan plan = band_plan(height, width, nc * input.element_size());
+    while (nc > 1 && (!plan.ok || nc > channels)) {
+      nc /= 2;
+      plan = band_plan(height, width, nc * input.element_size());
+    }
     const BandSetup s = setup_bands<acc_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
-        spatial_scale, pairs ? pair_plan : band_plan(height, width, input.element_size()), stream,
-        pairs ? 2 : 1, /*check=*/true);  // the caller leaves the batch-index check to the setup
+        spatial_scale, plan, stream, nc, /*check=*/true);  // the caller leaves the batch-index check to the setup
     // one more column of blocks: those of the discard key, which write its bins' zeros
     const dim3 grid(s.grid.x + 1, s.grid.y);
     auto launch = [&](auto kernel) {
@@ -664,10 +652,14 @@ bool roi_align_forward_band(
     };
     with_grid(sampling_ratio, [&](auto g) {
       constexpr int G = decltype(g)::value;
-      if (pairs) {
-        launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, 2>);
-      } else {
-        launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, 1>);
+      auto with_nc = [&](auto lanes) {
+        constexpr int NC = decltype(lanes)::value;
+        if constexpr (NC * sizeof(scalar_t) <= 16) launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, NC>);
+      };
+      switch (nc) {
+        case 4: with_nc(std::integral_constant<int, 4>()); break;
+        case 2: with_nc(std::integral_constant<int, 2>()); break;
+        default: with_nc(std::integral_constant<int, 1>()); break;
       }
     });
   });
