@@ -96,6 +96,65 @@ def test_nms_threshold_compared_in_full_precision(device, threshold):
         assert torch.equal(nms(boxes, scores, threshold).cpu(), expected), k
 
 
+NEAR_TIE_THRESHOLDS = [0.5, 0.6, 0.7, 1 / 3]
+
+
+def _separate_pairs(seed, scale):
+    """Pairs of boxes (a_i, b_i), pair i moved along y so that no two pairs overlap:
+      * [0, 0, q, 1] and [0, 0, p, 1] for 1 <= p <= q <= 64 (IoU p / q: every simple fraction);
+      * random boxes with small integer corners;
+      * [0, 0, W, H] and [0, 0, w, H] with w one float away from t * W for each t of
+        NEAR_TIE_THRESHOLDS: IoUs within a few roundings of t, where inter > t * union in
+        floating point often disagrees with the quotient's comparison.
+    All corners are multiplied by `scale`. Returns the boxes [a_0..a_k, b_0..b_k] and the
+    float32 IoUs computed term by term as torchvision computes them."""
+    g = torch.Generator().manual_seed(seed)
+    q, p = torch.tril_indices(64, 64).float() + 1
+    zeros, ones = torch.zeros_like(p), torch.ones_like(p)
+    pairs = [torch.stack([torch.stack([zeros, zeros, q, ones], 1), torch.stack([zeros, zeros, p, ones], 1)])]
+    lo = torch.randint(0, 24, (2, 2000, 2), generator=g).float()
+    size = torch.randint(1, 9, (2, 2000, 2), generator=g).float()
+    pairs.append(torch.cat([lo, lo + size], 2))
+    for t in NEAR_TIE_THRESHOLDS:
+        wide, tall = torch.rand(2, 500, generator=g) * 999 + 1
+        narrow = wide * t
+        narrow = torch.where(torch.rand(500, generator=g) < 0.5, narrow, torch.nextafter(narrow, narrow * 2))
+        narrow = torch.where(torch.rand(500, generator=g) < 0.5, narrow, torch.nextafter(narrow, narrow / 2))
+        z = torch.zeros(500)
+        pairs.append(torch.stack([torch.stack([z, z, wide, tall], 1), torch.stack([z, z, narrow, tall], 1)]))
+    corners = torch.cat(pairs, 1)  # [2, count, 4]
+    corners[..., 1::2] += 1024 * torch.arange(corners.shape[1]).float()[:, None]
+    corners = corners * scale
+    a, b = corners[0], corners[1]
+    w = (torch.minimum(a[:, 2], b[:, 2]) - torch.maximum(a[:, 0], b[:, 0])).clamp(min=0)
+    h = (torch.minimum(a[:, 3], b[:, 3]) - torch.maximum(a[:, 1], b[:, 1])).clamp(min=0)
+    inter = w * h
+    area = lambda x: (x[:, 2] - x[:, 0]) * (x[:, 3] - x[:, 1])
+    return torch.cat([a, b]), inter / ((area(a) + area(b)) - inter)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [1.0, 0.001, 1e-12, 1e10])
+def test_nms_decides_ties_and_near_ties_exactly(device, scale):
+    # The CUDA kernels decide most pairs without the division (iou_decided_without_division);
+    # pairs at or a few rounding steps from the threshold must still be decided as the
+    # division decides them.
+    # Areas below 2^-60 (scale 1e-12) or above 2^60 (1e10) are decided by the division alone.
+    boxes, iou = _separate_pairs(seed=5, scale=scale)
+    count = iou.numel()
+    scores = torch.cat([torch.ones(count), torch.full((count,), 0.5)])
+    idxs = torch.arange(count).repeat(2)
+    f7 = float(torch.tensor(0.7))  # 0.7 rounded to float32, and the floats on either side
+    thresholds = NEAR_TIE_THRESHOLDS + [0.25, 2 / 3, 0.9, f7, math.nextafter(f7, 1.0), math.nextafter(f7, 0.0), 0.0]
+    for t in thresholds:
+        expected = set(range(count)) | set(((~(iou.double() > t)).nonzero().flatten() + count).tolist())
+        for got in (
+            nms(boxes.to(device), scores.to(device), t),
+            batched_nms(boxes.to(device), scores.to(device), idxs.to(device), t),
+        ):
+            assert set(got.tolist()) == expected, t
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nms_empty_and_single(device, dtype):

@@ -87,6 +87,42 @@ DETOPS_HOST_DEVICE_INLINE bool iou_above(
   return inter / uni > threshold;
 }
 
+// iou_above's decision, where it can be made without the division: returns true and sets
+// `above` when decided, false when the pair is left to iou_above. The IEEE quotient q' of
+// inter / uni is above t exactly when the real quotient q lies above t's rounding boundary,
+// which is within one ulp of t. r = inter - t * uni with one rounding (a fused multiply-add)
+// is within a factor 1 +- 2^-24 of the real difference, and one ulp of t is at most 2^-23 uni
+// in those units (t < 1), so r > delta (delta = 2^-20 uni for float; 8 epsilons in general)
+// means q > t + ulp(t), hence q' > t, and r < -delta means q < t, hence q' <= t. Pairs closer
+// than that to the boundary are left to the division, and so are thresholds and unions
+// outside the ranges where these bounds hold (t below 2^-10 or not below 1, uni outside
+// [2^-60, 2^60] or NaN). No branches: min / max may treat NaN differently from min_of /
+// max_of, but a NaN coordinate makes the area, hence the union, NaN; other values give
+// iou_above's inter and union bit for bit. The caller checks the threshold's range once.
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE bool iou_decided_without_division(
+    T ax1, T ay1, T ax2, T ay2, T area_a,
+    T bx1, T by1, T bx2, T by2, T area_b,
+    T threshold, bool& above) {
+  using std::fma;
+  using std::fmax;
+  using std::fmin;
+  const T w = fmax(fmin(ax2, bx2) - fmax(ax1, bx1), T(0));
+  const T h = fmax(fmin(ay2, by2) - fmax(ay1, by1), T(0));
+  const T inter = mul_rn(w, h);
+  const T uni = add_rn(area_a, area_b) - inter;
+  const T r = fma(-threshold, uni, inter);
+  const T delta = uni * (T(8) * std::numeric_limits<T>::epsilon());
+  above = r > delta;
+  return uni >= T(0x1p-60) && uni <= T(0x1p60) && (above || r < -delta);
+}
+
+// The thresholds for which iou_decided_without_division's bounds hold.
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE bool iou_division_free_threshold(T threshold) {
+  return threshold >= T(0x1p-10) && threshold < T(1);
+}
+
 // One row of a 64-box NMS mask tile: bit i is set when box (x1, y1, x2, y2) overlaps column
 // box i, for i in [begin, end), by more than the threshold. Column boxes come as arrays (a
 // shared-memory tile on CUDA); with `col_cls`, only columns of category `cls` count. With a

@@ -5,17 +5,19 @@
 //    torch's stable sort and nms_prepare_kernel. Batched NMS then groups the ranking by category
 //    (stable), so each category is a contiguous run of positions.
 // 2. nms_mask_kernel: for every 64x64 tile on or below the diagonal, one bit per pair (row box,
-//    earlier column box) whose IoU exceeds the threshold. Only nonzero words are written, and
-//    each sets a bit in its row's summary, so later passes read only those words. Tiles whose
-//    row and column boxes share no category are skipped.
+//    earlier column box) whose IoU exceeds the threshold. A block per row tile and column
+//    stride holds its row boxes in registers and walks its column tiles; intersecting pairs
+//    are decided mostly without a division (iou_decided_without_division). Only nonzero words
+//    are written, and each sets a bit in its row's summary, so later passes read only those
+//    words. Tiles whose row and column boxes share no category are never visited.
 // 3. nms_dataflow_kernel (one cooperative launch): greedy NMS keeps box j when no kept box
 //    before it overlaps it. A box is decided as soon as that is known: suppressed once a kept
 //    earlier box overlaps it, kept once every overlapping earlier box is decided and suppressed.
 //    Each warp owns 32 positions and decides them in rank order as their inputs arrive from
 //    the other warps, so decisions flow along the suppression chains with no grid-wide
-//    barrier per step. Then the kept boxes are written out in rank order.
-// 4. Plain NMS copies the kept count to the host (the one sync, which a variable-length result
-//    needs). Batched NMS marks kept ranks and selects them.
+//    barrier per step. Then the kept boxes are written out in rank order (batched NMS first
+//    marks them by rank, since its positions are grouped by category).
+// 4. The kept count is copied to the host (the one sync, which a variable-length result needs).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -44,6 +46,8 @@ constexpr int kSortThreads = 512;
 constexpr int64_t kMaxBlockSort = 4096;
 constexpr int kFixThreads = 512;
 constexpr int kBatchWords = 8;
+constexpr int64_t kMaskSpread = 16;      // fewest blocks per row tile of the mask
+constexpr int64_t kMaskBlocksPerSm = 32;  // resident 64-thread blocks per SM
 
 
 // Packed lower-triangular layouts. Row j (tile r = j / 64) has r + 1 mask words (tiles 0..r)
@@ -137,53 +141,114 @@ __global__ void nms_prepare_kernel(
   }
 }
 
-// One 64x64 tile (row tile >= column tile) of the lower-triangular suppression mask: bit i of
+// A box as one aligned vector, so that a shared-memory tile serves it in one load.
+template <typename T>
+struct alignas(4 * sizeof(T)) Box4 {
+  T x1, y1, x2, y2;
+};
+
+// Bits [begin, end) of a 64-bit word.
+__device__ __forceinline__ uint64_t bit_range(int begin, int end) {
+  if (begin >= end) return 0;
+  const uint64_t below_end = end >= 64 ? ~0ULL : (1ULL << end) - 1;
+  return below_end & (~0ULL << begin);
+}
+
+// The 64x64 tiles (row tile >= column tile) of the lower-triangular suppression mask: bit i of
 // row j's word for column tile c says that box c * 64 + i ranks before j and overlaps it by
-// more than the threshold. The grid enumerates the tiles on and below the diagonal.
+// more than the threshold. Block (w, y) takes row tile r = tiles - 1 - y (the longest rows
+// first) and column tiles r - w, r - w - W, ... (W = gridDim.x), each thread one row box
+// held in registers. With categories (positions grouped by category, ascending), a column
+// tile whose last category is below the row tile's first holds no pair, and neither does any
+// tile before it, so the block stops there; within a tile a row's columns of its own category
+// are one range. A pair is first tested for intersection (four comparisons; an IoU above a
+// threshold >= 0 needs one), then decided by iou_decided_without_division (thresholds in
+// [2^-10, 1)) or, for the rare pairs it leaves and other thresholds, by iou_above's division.
+// Only nonzero words are written, and each row's summary word gets its bits once per run of
+// tiles of one word.
 template <typename T, bool kClasses>
-__global__ void nms_mask_kernel(
-    int64_t n, const T* __restrict__ boxes, const int64_t* __restrict__ cls, T threshold,
+__global__ void __launch_bounds__(kTile) nms_mask_kernel(
+    int64_t n, const Box4<T>* __restrict__ boxes, const int64_t* __restrict__ cls, T threshold,
     uint64_t* __restrict__ mask, unsigned long long* __restrict__ summary) {
-  const int64_t k = blockIdx.x;
-  int64_t row_block = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(k) + 1.0) - 1.0) / 2.0);
-  while (row_block * (row_block + 1) / 2 > k) --row_block;
-  while ((row_block + 1) * (row_block + 2) / 2 <= k) ++row_block;
-  const int64_t col_block = k - row_block * (row_block + 1) / 2;
-  const int64_t row0 = row_block * kTile, col0 = col_block * kTile;
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  const int64_t r = tiles - 1 - blockIdx.y;
+  const int64_t row0 = r * kTile;
   const int row_size = static_cast<int>(min(n - row0, static_cast<int64_t>(kTile)));
-  const int col_size = static_cast<int>(min(n - col0, static_cast<int64_t>(kTile)));
-  if (kClasses) {
-    // Positions are grouped by category: the tile is empty unless the categories overlap.
-    if (cls[col0 + col_size - 1] < cls[row0]) return;
-  }
-
-  __shared__ T sx1[kTile], sy1[kTile], sx2[kTile], sy2[kTile], sarea[kTile];
-  __shared__ int64_t scls[kTile];
   const int t = threadIdx.x;
-  if (t < col_size) {
-    const T* b = boxes + (col0 + t) * 4;
-    sx1[t] = b[0];
-    sy1[t] = b[1];
-    sx2[t] = b[2];
-    sy2[t] = b[3];
-    sarea[t] = geometry::box_area(b[0], b[1], b[2], b[3]);
-    if (kClasses) scls[t] = cls[col0 + t];
-  }
-  __syncthreads();
-  if (t >= row_size) return;
+  __shared__ Box4<T> sbox[kTile];
+  __shared__ T sarea[kTile];
+  __shared__ int64_t scls[kClasses ? kTile : 1];
 
-  const int64_t row = row0 + t;
-  const T* b = boxes + row * 4;
-  const T x1 = b[0], y1 = b[1], x2 = b[2], y2 = b[3];
-  const T area = geometry::box_area(x1, y1, x2, y2);
-  const int64_t c = kClasses ? cls[row] : 0;
-  const uint64_t bits = geometry::overlap_bits(
-      x1, y1, x2, y2, area, sx1, sy1, sx2, sy2, sarea, 0, (row_block == col_block) ? t : col_size,
-      threshold, kClasses ? scls : nullptr, c);
-  if (bits) {
-    mask[mask_row_offset(row) + col_block] = bits;
-    atomicOr(summary + summary_row_offset(row) + col_block / 64, 1ULL << (col_block % 64));
+  const int64_t row = row0 + min(t, row_size - 1);
+  const Box4<T> rb = boxes[row];
+  const T area = geometry::box_area(rb.x1, rb.y1, rb.x2, rb.y2);
+  const int64_t rc = kClasses ? cls[row] : 0;
+  const int64_t first_cls = kClasses ? cls[row0] : 0;
+  const bool need_overlap = threshold >= T(0);
+  const bool division_free = geometry::iou_division_free_threshold(threshold);
+  unsigned long long* const srow = summary + summary_row_offset(row);
+  int64_t sum_word = -1;
+  unsigned long long sum_bits = 0;
+
+  for (int64_t c = r - blockIdx.x; c >= 0; c -= gridDim.x) {
+    const int64_t col0 = c * kTile;
+    const int col_size = static_cast<int>(min(n - col0, static_cast<int64_t>(kTile)));
+    if (kClasses && cls[col0 + col_size - 1] < first_cls) break;
+    __syncthreads();  // the previous tile is read
+    if (t < col_size) {
+      const Box4<T> b = boxes[col0 + t];
+      sbox[t] = b;
+      sarea[t] = geometry::box_area(b.x1, b.y1, b.x2, b.y2);
+      if (kClasses) scls[t] = cls[col0 + t];
+    }
+    __syncthreads();
+    if (t >= row_size) continue;
+    int begin = 0, end = c == r ? t : col_size;
+    if (kClasses && end > 0 && (scls[0] != rc || scls[end - 1] != rc)) {
+      // the row's category within the tile's ascending ones: [first >= rc, first > rc)
+      int lo = 0, hi = end;
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (scls[mid] < rc) lo = mid + 1; else hi = mid;
+      }
+      begin = lo;
+      hi = end;
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (scls[mid] <= rc) lo = mid + 1; else hi = mid;
+      }
+      end = lo;
+    }
+    const uint64_t valid = bit_range(begin, end);
+    if (!valid) continue;
+    uint64_t bits = 0;
+#pragma unroll
+    for (int i = 0; i < kTile; ++i) {
+      const Box4<T> b = sbox[i];
+      // An IoU above a threshold >= 0 needs the boxes to intersect: a warp none of whose rows
+      // meets column i skips it at the cost of four comparisons.
+      if (need_overlap && !(rb.x2 > b.x1 && b.x2 > rb.x1 && rb.y2 > b.y1 && b.y2 > rb.y1)) continue;
+      const T carea = sarea[i];
+      bool above;
+      if (division_free && geometry::iou_decided_without_division(
+                               rb.x1, rb.y1, rb.x2, rb.y2, area, b.x1, b.y1, b.x2, b.y2, carea, threshold, above)) {
+        if (above) bits |= uint64_t{1} << i;
+      } else if (geometry::iou_above(rb.x1, rb.y1, rb.x2, rb.y2, area, b.x1, b.y1, b.x2, b.y2, carea, threshold)) {
+        bits |= uint64_t{1} << i;
+      }
+    }
+    bits &= valid;
+    if (bits) {
+      mask[mask_row_offset(row) + c] = bits;
+      if (c / 64 != sum_word) {
+        if (sum_bits) atomicOr(srow + sum_word, sum_bits);
+        sum_word = c / 64;
+        sum_bits = 0;
+      }
+      sum_bits |= 1ULL << (c % 64);
+    }
   }
+  if (sum_bits) atomicOr(srow + sum_word, sum_bits);
 }
 
 __device__ __forceinline__ unsigned long long load_acquire(unsigned long long* p) {
@@ -205,7 +270,7 @@ __global__ void __launch_bounds__(kFixThreads) nms_dataflow_kernel(
     int64_t n, const uint64_t* __restrict__ mask, const unsigned long long* __restrict__ summary,
     const bool* __restrict__ valid, unsigned long long* kept, unsigned long long* decided,
     const int64_t* __restrict__ order, const int64_t* __restrict__ rank, int64_t* __restrict__ out,
-    int64_t* __restrict__ count, bool* __restrict__ kept_by_rank) {
+    int64_t* __restrict__ count, unsigned long long* kept_ranks) {
   cg::grid_group grid = cg::this_grid();
   const int lane = threadIdx.x & 31;
   const int64_t warps_per_block = blockDim.x / 32;
@@ -215,6 +280,7 @@ __global__ void __launch_bounds__(kFixThreads) nms_dataflow_kernel(
   const int64_t tiles = (n + kTile - 1) / kTile;
   auto* kept32 = reinterpret_cast<unsigned int*>(kept);
   auto* decided32 = reinterpret_cast<unsigned int*>(decided);
+  auto* kept_ranks32 = reinterpret_cast<unsigned int*>(kept_ranks);
 
   // Positions past n and boxes whose score is NaN are decided (not kept) from the start.
   for (int64_t g = gwarp; g < 2 * tiles; g += nwarps) {
@@ -223,6 +289,7 @@ __global__ void __launch_bounds__(kFixThreads) nms_dataflow_kernel(
     if (lane == 0) {
       kept32[g] = 0u;
       decided32[g] = ~live;
+      if (kBatched) kept_ranks32[g] = 0u;
     }
   }
   grid.sync();
@@ -320,14 +387,19 @@ __global__ void __launch_bounds__(kFixThreads) nms_dataflow_kernel(
   }
   grid.sync();
 
+  // Batched: positions are grouped by category; the kept ones are marked by rank.
   if (kBatched) {
     for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
          j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      kept_by_rank[rank[j]] = (__ldcg(kept32 + j / 32) >> (j % 32)) & 1u;
+      if ((__ldcg(kept32 + j / 32) >> (j % 32)) & 1u) {
+        const int64_t k = rank[j];
+        atomicOr(kept_ranks32 + k / 32, 1u << (k % 32));
+      }
     }
-    return;
+    grid.sync();
   }
-  // Kept positions, in order, to `out`: each block writes a contiguous range of words.
+  const unsigned int* const kept_words = kBatched ? kept_ranks32 : kept32;
+  // Kept ranks, in order, to `out`: each block writes a contiguous range of words.
   using Reduce = cub::BlockReduce<int, kFixThreads>;
   using Scan = cub::BlockScan<int, kFixThreads>;
   __shared__ union {
@@ -338,14 +410,14 @@ __global__ void __launch_bounds__(kFixThreads) nms_dataflow_kernel(
   const int64_t per_block = (groups + gridDim.x - 1) / gridDim.x;
   const int64_t w0 = min(groups, blockIdx.x * per_block), w1 = min(groups, w0 + per_block);
   int before = 0;
-  for (int64_t w = threadIdx.x; w < w0; w += blockDim.x) before += __popc(__ldcg(kept32 + w));
+  for (int64_t w = threadIdx.x; w < w0; w += blockDim.x) before += __popc(__ldcg(kept_words + w));
   before = Reduce(temp.reduce).Sum(before);
   if (threadIdx.x == 0) base_shared = before;
   __syncthreads();
   int64_t base = base_shared;
   for (int64_t c0 = w0; c0 < w1; c0 += blockDim.x) {
     const int64_t w = c0 + threadIdx.x;
-    unsigned int word = w < w1 ? __ldcg(kept32 + w) : 0u;
+    unsigned int word = w < w1 ? __ldcg(kept_words + w) : 0u;
     int offset = 0, total = 0;
     Scan(temp.scan).ExclusiveSum(__popc(word), offset, total);
     int64_t o = base + offset;
@@ -422,8 +494,8 @@ at::Tensor nms_cuda_impl(
   // each), ranked order (one-block sort), ranked boxes and the valid flags.
   const int64_t off_summary = mask_words(n);
   const int64_t off_flags = off_summary + summary_size;
-  const int64_t off_order = off_flags + 2 * tiles;
-  const int64_t off_boxes = off_order + (block_sort ? n : 0);
+  const int64_t off_order = off_flags + (batched ? 3 : 2) * tiles;
+  const int64_t off_boxes = cuda::ceil_div(off_order + (block_sort ? n : 0), 4) * 4;  // 32-byte aligned
   const int64_t off_valid = off_boxes + cuda::ceil_div(4 * n * acc_size, 8);
   const int64_t scratch_size = off_valid + cuda::ceil_div(n, 8);
   at::Tensor scratch = at::empty({scratch_size}, long_opts);
@@ -432,6 +504,7 @@ at::Tensor nms_cuda_impl(
   auto* summary_ptr = reinterpret_cast<unsigned long long*>(base + off_summary);
   auto* kept = reinterpret_cast<unsigned long long*>(base + off_flags);
   auto* decided = reinterpret_cast<unsigned long long*>(base + off_flags + tiles);
+  auto* kept_ranks = batched ? reinterpret_cast<unsigned long long*>(base + off_flags + 2 * tiles) : nullptr;
   bool* valid_mut = reinterpret_cast<bool*>(base + off_valid);
   const int64_t* order_ptr = base + off_order;
 
@@ -461,24 +534,26 @@ at::Tensor nms_cuda_impl(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     const acc_t thr = geometry::iou_threshold_as<acc_t>(iou_threshold);
-    const int64_t tile_pairs = tiles * (tiles + 1) / 2;
+    // Column strides: about four waves of blocks, one column tile each where that fills the
+    // GPU (their latency in series costs more than their instructions), at least kMaskSpread.
+    const int64_t waves = cuda::ceil_div(4 * int64_t{props->multiProcessorCount} * kMaskBlocksPerSm, tiles);
+    const dim3 mask_grid(
+        static_cast<unsigned>(std::min<int64_t>(tiles, std::max<int64_t>(kMaskSpread, waves))),
+        static_cast<unsigned>(tiles));
+    const auto* boxes4 = reinterpret_cast<const Box4<acc_t>*>(sorted_boxes);
     if (batched) {
-      nms_mask_kernel<acc_t, true><<<static_cast<unsigned>(tile_pairs), kTile, 0, stream>>>(
-          n, sorted_boxes, cls_sorted.const_data_ptr<int64_t>(), thr, mask_ptr, summary_ptr);
+      nms_mask_kernel<acc_t, true><<<mask_grid, kTile, 0, stream>>>(
+          n, boxes4, cls_sorted.const_data_ptr<int64_t>(), thr, mask_ptr, summary_ptr);
     } else {
-      nms_mask_kernel<acc_t, false><<<static_cast<unsigned>(tile_pairs), kTile, 0, stream>>>(
-          n, sorted_boxes, nullptr, thr, mask_ptr, summary_ptr);
+      nms_mask_kernel<acc_t, false><<<mask_grid, kTile, 0, stream>>>(n, boxes4, nullptr, thr, mask_ptr, summary_ptr);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 
-  // Plain NMS: the output and its count; batched NMS: a flag per rank.
-  at::Tensor result = at::empty({batched ? 0 : n + 1}, long_opts);
-  int64_t* out = batched ? nullptr : result.data_ptr<int64_t>();
-  int64_t* count = batched ? nullptr : out + n;
-  at::Tensor kept_by_rank;
-  if (batched) kept_by_rank = at::empty({n}, boxes.options().dtype(at::kBool));
-  bool* kept_by_rank_ptr = batched ? kept_by_rank.data_ptr<bool>() : nullptr;
+  // The kept indices in rank order, and their count after them.
+  at::Tensor result = at::empty({n + 1}, long_opts);
+  int64_t* out = result.data_ptr<int64_t>();
+  int64_t* count = out + n;
   const int64_t* rank_ptr = rank.defined() ? rank.const_data_ptr<int64_t>() : nullptr;
   const uint64_t* mask_cptr = mask_ptr;
   const unsigned long long* summary_cptr = summary_ptr;
@@ -489,14 +564,11 @@ at::Tensor nms_cuda_impl(
   const int blocks = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(wanted, static_cast<int64_t>(per_sm) * props->multiProcessorCount)));
   void* args[] = {const_cast<int64_t*>(&n), &mask_cptr, &summary_cptr, &valid_ptr, &kept, &decided,
-                  &order_ptr, &rank_ptr, &out, &count, &kept_by_rank_ptr};
+                  &order_ptr, &rank_ptr, &out, &count, &kept_ranks};
   const void* fn = batched ? reinterpret_cast<const void*>(nms_dataflow_kernel<true>)
                            : reinterpret_cast<const void*>(nms_dataflow_kernel<false>);
   C10_CUDA_CHECK(cudaLaunchCooperativeKernel(fn, dim3(blocks), dim3(kFixThreads), args, 0, stream));
 
-  if (batched) {
-    return order.masked_select(kept_by_rank);
-  }
   // The one host sync: the number of kept boxes sizes the result.
   int64_t kept_count = 0;
   C10_CUDA_CHECK(cudaMemcpyAsync(&kept_count, count, sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
