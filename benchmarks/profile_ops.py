@@ -1,7 +1,9 @@
 """Where the time of one op call goes on CUDA: torch.profiler over a few calls.
 
-    python -m benchmarks.profile_ops
+    python -m benchmarks.profile_ops [--only SUBSTRING]
 """
+import argparse
+
 import torch
 
 import detops
@@ -20,7 +22,7 @@ def profile(name, fn, calls=20):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
-def main():
+def _cases():
     for label, (b, s) in [
         ("nms 1k random", random_boxes(1000, 1)),
         ("nms 4.7k clustered", clustered_boxes(4700, 2)),
@@ -28,10 +30,29 @@ def main():
         ("nms 12k random", random_boxes(12000, 4)),
     ]:
         b, s = b.cuda(), s.cuda()
-        profile(label, lambda: detops.ops.nms(b, s, 0.5))
+        yield label, lambda b=b, s=s: detops.ops.nms(b, s, 0.5)
+    # bench_nms's batched cases: 80 classes over 20k boxes, and 8 images x 4.7k with the image
+    # as the category
+    b, s = (t.cuda() for t in clustered_boxes(20000, seed=8))
+    lab = torch.randint(0, 80, (20000,), generator=torch.Generator().manual_seed(8)).cuda()
+    yield "batched_nms 80 classes 20k", lambda: detops.ops.batched_nms(b, s, lab, 0.5)
+    per = [clustered_boxes(4700, seed=30 + i) for i in range(8)]
+    pb = torch.cat([p[0] for p in per]).cuda()
+    ps = torch.cat([p[1] for p in per]).cuda()
+    image = torch.arange(8).repeat_interleave(4700).cuda()
+    yield "batched_nms 8 x 4.7k", lambda: detops.ops.batched_nms(pb, ps, image, 0.7)
     x = torch.randn(2, 256, 200, 304, device="cuda")
     rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
-    profile("roi_align fwd 7x7", lambda: detops.ops.roi_align(x, rois, 7, 0.25, 2, True))
+    yield "roi_align fwd 7x7", lambda: detops.ops.roi_align(x, rois, 7, 0.25, 2, True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--only", default="", help="profile only the cases whose name contains this")
+    a = p.parse_args()
+    for label, fn in _cases():
+        if a.only in label:
+            profile(label, fn)
 
 
 if __name__ == "__main__":
