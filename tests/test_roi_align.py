@@ -637,12 +637,12 @@ def test_roi_kernel_choice_is_checked():
 
 
 # (batch, channels, height, width, rois, min side, max side, spill, pooled size, sampling ratio,
-#  aligned). float32 planes 600 wide stage windows of about 40 rows in the backward and, as
-# channel pairs, of 21 rows (16 owned, 5 overlap) in the forward; RoIs 90 rows tall have bins
-# taller than either overlap. Odd channel counts leave a last channel without a pair. The
-# forward stages four channels per pixel for float32 bins shorter than 7x7 ones (9 bin rows
-# here) and for 16-bit types: 300-wide float32 planes give windows of 21 rows, and 9 channels
-# two groups of four and a last channel. 1200 RoIs on two 64 x 64 maps give one block
+#  aligned). The forward stages four channels per pixel (two where fewer than four channels
+# are left), in bands of twice the shared memory for float32 bins as tall as 7x7 ones. float32
+# planes 600 wide stage windows of about 40 rows in the backward and of 21 rows (16 owned, 5
+# overlap) in the forward; so do 300-wide ones with 9 bin rows per RoI (the forward's usual
+# bands); RoIs 90 rows tall have bins taller than either overlap. Channel counts that are not
+# multiples of four leave a last, partial group. 1200 RoIs on two 64 x 64 maps give one block
 # thousands of bin rows.
 BAND_CASES = {
     "one band": (2, 8, 40, 56, 300, 2, 30, 0.0, (7, 7), 2, True),

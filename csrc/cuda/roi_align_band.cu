@@ -59,6 +59,7 @@ using roi_align_cuda::axis_tap;
 using roi_align_cuda::bins_of;
 
 constexpr int kBandThreads = 512;
+constexpr int kWideBandThreads = 1024;  // blocks of the forward's double-size bands
 constexpr int kMaxBandGrid = 4;  // sampling ratios the band kernels take
 // Shared memory for a band: two blocks fit on an SM.
 constexpr int64_t kBandBudget = 100 * 1024;  // less where the device allows less (band_budget)
@@ -276,8 +277,8 @@ struct PlaneRows {
 // the same shared memory), so that each bin's list entry, taps and weights, and each
 // shared-memory load instruction, serve NC channels. The kernel is bound by load wavefronts
 // (taps from L1/L2, shared-memory reads with bank conflicts), not by arithmetic.
-template <typename scalar_t, typename acc_t, int G, int NC>
-__global__ void __launch_bounds__(kBandThreads) roi_align_band_forward_kernel(
+template <typename scalar_t, typename acc_t, int G, int NC, int kThreads = kBandThreads>
+__global__ void __launch_bounds__(kThreads) roi_align_band_forward_kernel(
     const scalar_t* __restrict__ input, const BandTap<acc_t>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
     BandPlan plan, int32_t discard, scalar_t* __restrict__ output) {
@@ -523,8 +524,8 @@ struct BandSetup {
 };
 
 // The band plan for an H x W plane of elem_bytes-sized staged pixels, in kBandBudget.
-BandPlan band_plan(int64_t height, int64_t width, int64_t elem_bytes) {
-  return plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(kBandBudget, 0));
+BandPlan band_plan(int64_t height, int64_t width, int64_t elem_bytes, int64_t budget = kBandBudget) {
+  return plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(budget, 0));
 }
 
 // Whether the band kernels take these shapes and RoIs (on top of roi_kernel()). Under kAuto,
@@ -628,14 +629,17 @@ bool roi_align_forward_band(
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_align", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    // Channels per staged pixel (BENCHMARKS.md, "roi_align band forward"): four of half or
-    // bfloat16 (8 bytes); two of float, four for bins shorter than 7x7 ones (RoIs of a given
-    // height have shorter bins, so fewer bin rows outgrow the shorter bands that 16-byte pixels
-    // leave); two of double. Fewer where a band would hold too few rows.
-    int nc = sizeof(scalar_t) == 2 ? 4 : sizeof(scalar_t) == 4 ? (pooled_height > 7 ? 4 : 2) : 2;
-    BandPlan plan = band_plan(height, width, nc * input.element_size());
+    // Channels per staged pixel (BENCHMARKS.md, "roi_align band forward"): four (16 bytes of
+    // float, 8 of half or bfloat16), two of double; fewer where a band would hold too few rows.
+    // Float bins as tall as 7x7 ones or taller get bands of twice the shared memory, in blocks
+    // of kWideBandThreads (one per SM): in bands of 16-byte pixels more of their bin rows
+    // would reach past the window and read global memory.
+    int nc = sizeof(scalar_t) == 8 ? 2 : 4;
+    bool wide = sizeof(scalar_t) == 4 && pooled_height <= 7;
+    BandPlan plan = band_plan(height, width, nc * input.element_size(), wide ? 2 * kBandBudget : kBandBudget);
     while (nc > 1 && (!plan.ok || nc > channels)) {
       nc /= 2;
+      wide = false;
       plan = band_plan(height, width, nc * input.element_size());
     }
     const BandSetup s = setup_bands<acc_t>(
@@ -643,9 +647,9 @@ bool roi_align_forward_band(
         spatial_scale, plan, stream, nc, /*check=*/true);  // the caller leaves the batch-index check to the setup
     // one more column of blocks: those of the discard key, which write its bins' zeros
     const dim3 grid(s.grid.x + 1, s.grid.y);
-    auto launch = [&](auto kernel) {
+    auto launch = [&](auto kernel, int threads) {
       plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
-      kernel<<<grid, kBandThreads, s.smem, stream>>>(
+      kernel<<<grid, threads, s.smem, stream>>>(
           input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, s.plan,
           static_cast<int32_t>(s.num_keys), output.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -654,7 +658,15 @@ bool roi_align_forward_band(
       constexpr int G = decltype(g)::value;
       auto with_nc = [&](auto lanes) {
         constexpr int NC = decltype(lanes)::value;
-        if constexpr (NC * sizeof(scalar_t) <= 16) launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, NC>);
+        if constexpr (NC * sizeof(scalar_t) <= 16) {
+          if constexpr (NC == 4 && sizeof(scalar_t) == 4) {
+            if (wide) {
+              launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, NC, kWideBandThreads>, kWideBandThreads);
+              return;
+            }
+          }
+          launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, NC>, kBandThreads);
+        }
       };
       switch (nc) {
         case 4: with_nc(std::integral_constant<int, 4>()); break;
