@@ -491,7 +491,8 @@ at::Tensor nms_cuda_impl(
   const int64_t summary_size = summary_words(n);
   const int64_t acc_size = boxes.scalar_type() == at::kDouble ? 8 : 4;
   // One scratch allocation: mask, row summaries, `kept` and `decided` words (one per tile
-  // each), ranked order (one-block sort), ranked boxes and the valid flags.
+  // each; batched NMS also kept ranks), ranked order (one-block sort), ranked boxes (aligned
+  // for vector loads) and the valid flags.
   const int64_t off_summary = mask_words(n);
   const int64_t off_flags = off_summary + summary_size;
   const int64_t off_order = off_flags + (batched ? 3 : 2) * tiles;
