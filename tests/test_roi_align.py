@@ -637,8 +637,8 @@ def test_roi_kernel_choice_is_checked():
 
 
 # (batch, channels, height, width, rois, min side, max side, spill, pooled size, sampling ratio,
-#  aligned). The forward stages four channels per pixel (two where fewer than four channels
-# are left), in bands of twice the shared memory for float32 bins as tall as 7x7 ones. float32
+#  aligned). The forward stages four channels per pixel (two for float64 and for maps of two or
+# three channels), in bands of twice the shared memory for float32 bins as tall as 7x7 ones. float32
 # planes 600 wide stage windows of about 40 rows in the backward and of 21 rows (16 owned, 5
 # overlap) in the forward; so do 300-wide ones with 9 bin rows per RoI (the forward's usual
 # bands); RoIs 90 rows tall have bins taller than either overlap. Channel counts that are not
