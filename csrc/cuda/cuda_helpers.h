@@ -14,6 +14,11 @@ constexpr int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
+// a rounded up to a multiple of m (an offset aligned for vector loads).
+constexpr int64_t round_up(int64_t a, int64_t m) {
+  return ceil_div(a, m) * m;
+}
+
 // Blocks for a grid-stride loop over n items, capped so that huge n still launches.
 inline unsigned int grid_for(int64_t n, int threads) {
   const int64_t blocks = ceil_div(n, threads);

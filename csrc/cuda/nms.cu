@@ -496,7 +496,7 @@ at::Tensor nms_cuda_impl(
   const int64_t off_summary = mask_words(n);
   const int64_t off_flags = off_summary + summary_size;
   const int64_t off_order = off_flags + (batched ? 3 : 2) * tiles;
-  const int64_t off_boxes = cuda::ceil_div(off_order + (block_sort ? n : 0), 4) * 4;  // 32-byte aligned
+  const int64_t off_boxes = cuda::round_up(off_order + (block_sort ? n : 0), 4);  // 32-byte aligned
   const int64_t off_valid = off_boxes + cuda::ceil_div(4 * n * acc_size, 8);
   const int64_t scratch_size = off_valid + cuda::ceil_div(n, 8);
   at::Tensor scratch = at::empty({scratch_size}, long_opts);

@@ -256,9 +256,6 @@ PoolSetup setup_pool_bands(
   return s;
 }
 
-int64_t align16(int64_t bytes) {
-  return cuda::ceil_div(bytes, 16) * 16;
-}
 
 }  // namespace
 
@@ -282,7 +279,7 @@ at::Tensor roi_pool_backward_band(
         rois, batch, channels, height, width, pooled_height, pooled_width, spatial_scale,
         sizeof(acc_t), stream);
     plane_band::zero_shared_rows(grad_input.data_ptr<acc_t>(), batch * channels, height, width, s.plan, stream);
-    const int64_t list_offset = align16(s.plan.smem_bytes);
+    const int64_t list_offset = cuda::round_up(s.plan.smem_bytes, 16);
     const int64_t smem = list_offset + kRowCapacity * static_cast<int64_t>(sizeof(int32_t));
     auto kernel = roi_pool_band_backward_kernel<scalar_t, acc_t>;
     plane_band::allow_smem(kernel, smem);

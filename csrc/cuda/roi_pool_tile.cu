@@ -11,10 +11,9 @@
 //   1. roi_pool_tile_keys_kernel keys each bin (k, ph, pw) by the tile holding its first pixel,
 //      image * tiles + tile; empty bins and the bins of RoIs with an invalid batch index get
 //      the extra key B * tiles (and such an index fails a device assertion, as
-//      roi_checks::check_batch_indices_async would);
+//      roi_checks::check_batch_indices_async would). It also takes, per tile, the bounding
+//      window of its bins' pixels (from the tile's corner to the furthest bin end);
 //   2. group_by_owner_kernel (plane_band.cuh) lists the bins of each key;
-//      The keys kernel also takes, per tile, the bounding window of its bins' pixels (from the
-//      tile's corner to the furthest bin end);
 //   3. roi_pool_tile_forward_kernel: a block per (key, group of channels) stages its tile's
 //      window, cut down to the staging capacity, of its channels (pixel-major: a pixel's
 //      channels are adjacent, 33 words apart from the next pixel, so that both the staging
@@ -348,9 +347,6 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
   }
 }
 
-int64_t align16(int64_t bytes) {
-  return cuda::ceil_div(bytes, int64_t{16}) * 16;
-}
 
 int64_t word_bytes(const at::Tensor& input) {
   return input.element_size() == 2 ? 4 : input.element_size();
@@ -417,7 +413,7 @@ bool roi_pool_forward_tile(
     plane_band::group_by_owner_kernel<int32_t><<<1, plane_band::kGroupThreads, 0, stream>>>(
         keys, static_cast<int32_t>(total), static_cast<int32_t>(num_keys), counts, offsets, rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const int64_t list_offset = align16(static_cast<int64_t>(plan.capacity) * kPixelWords * word_bytes(input));
+    const int64_t list_offset = cuda::round_up(static_cast<int64_t>(plan.capacity) * kPixelWords * word_bytes(input), 16);
     const int64_t smem = list_offset + kTileList * static_cast<int64_t>(sizeof(TileBin));
     auto kernel = roi_pool_tile_forward_kernel<scalar_t>;
     plane_band::allow_smem(kernel, smem);
