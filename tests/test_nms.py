@@ -411,10 +411,11 @@ def test_nms_cuda_long_chains(n):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("n", [8191, 8192, 8193, 16384])
+@pytest.mark.parametrize("n", [4096, 4097, 8191, 8192, 8193, 16384])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nms_cuda_around_the_block_sort_limit(n, dtype):
-    # Up to 8192 boxes the ranking is sorted by one block; above, by torch's sort.
+    # Up to 8192 boxes the ranking is sorted by one block (of 512 threads up to 4096, of 1024
+    # above); above 8192, by torch's sort.
     boxes, scores = random_boxes(n, seed=n, dtype=dtype)
     scores = (scores * 8).round() / 8  # many ties: equal scores keep index order
     scores[::97] = -0.0

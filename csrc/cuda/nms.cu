@@ -42,8 +42,9 @@ namespace cg = cooperative_groups;
 
 constexpr int kTile = 64;
 constexpr int kPrepareThreads = 256;
-constexpr int kSortThreads = 512;
-constexpr int64_t kMaxBlockSort = 4096;
+constexpr int kSortThreads = 512;       // blocks ranking up to 4096 scores
+constexpr int kWideSortThreads = 1024;  // and up to kMaxBlockSort
+constexpr int64_t kMaxBlockSort = kWideSortThreads * 8;
 constexpr int kFixThreads = 512;
 constexpr int kBatchWords = 8;
 constexpr int64_t kMaskSpread = 16;      // fewest blocks per row tile of the mask
@@ -86,13 +87,13 @@ __device__ __forceinline__ uint64_t score_key(float s) {
 // the score keys with the indices: higher score first, equal scores by index, NaN last) and
 // writes, per rank, the original index, the box in float and whether the score is a number.
 // Also clears the mask's row summaries.
-template <typename scalar_t, int kItems>
-__global__ void __launch_bounds__(kSortThreads) nms_block_sort_kernel(
+template <typename scalar_t, int kThreads, int kItems>
+__global__ void __launch_bounds__(kThreads) nms_block_sort_kernel(
     int64_t n, const scalar_t* __restrict__ scores, int64_t score_stride,
     const scalar_t* __restrict__ boxes, int64_t stride0, int64_t stride1, int64_t* __restrict__ order,
     float* __restrict__ sorted_boxes, bool* __restrict__ valid, unsigned long long* __restrict__ summary,
     int64_t summary_size) {
-  using Sort = cub::BlockRadixSort<unsigned int, kSortThreads, kItems, int>;
+  using Sort = cub::BlockRadixSort<unsigned int, kThreads, kItems, int>;
   __shared__ typename Sort::TempStorage temp;
   for (int64_t i = threadIdx.x; i < summary_size; i += blockDim.x) summary[i] = 0;
   unsigned int key[kItems];
@@ -437,8 +438,11 @@ void launch_block_sort(
     int64_t n, const at::Tensor& scores, const at::Tensor& boxes, int64_t* order,
     at::opmath_type<scalar_t>* sorted_boxes, bool* valid, unsigned long long* summary, int64_t summary_size,
     cudaStream_t stream) {
-  auto kernel = n <= kSortThreads * 2 ? nms_block_sort_kernel<scalar_t, 2> : nms_block_sort_kernel<scalar_t, 8>;
-  kernel<<<1, kSortThreads, 0, stream>>>(
+  auto kernel = n <= kSortThreads * 2   ? nms_block_sort_kernel<scalar_t, kSortThreads, 2>
+                : n <= kSortThreads * 8 ? nms_block_sort_kernel<scalar_t, kSortThreads, 8>
+                                        : nms_block_sort_kernel<scalar_t, kWideSortThreads, 8>;
+  const int threads = n <= kSortThreads * 8 ? kSortThreads : kWideSortThreads;
+  kernel<<<1, threads, 0, stream>>>(
       n, scores.const_data_ptr<scalar_t>(), scores.stride(0), boxes.const_data_ptr<scalar_t>(), boxes.stride(0),
       boxes.stride(1), order, sorted_boxes, valid, summary, summary_size);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
