@@ -391,10 +391,11 @@ def chain_boxes(n, dtype=torch.float32):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("n", [1, 70, 1000, 9000, 40000])
+@pytest.mark.parametrize("n", [1, 70, 1000, 4096, 4097, 9000, 40000])
 def test_nms_cuda_long_chains(n):
-    # The CUDA pass decides boxes as their inputs arrive, across warps and blocks: the result
-    # must be the greedy one, also on a chain of decisions as long as the input.
+    # The CUDA pass decides boxes as their inputs arrive (across the warps of one block up to
+    # 4096 boxes, across blocks above): the result must be the greedy one, also on a chain of
+    # decisions as long as the input.
     boxes, scores = chain_boxes(n)
     got = nms(boxes.cuda(), scores.cuda(), 0.5).cpu()
     assert torch.equal(got, torch.arange(0, n, 2))

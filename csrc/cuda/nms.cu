@@ -10,7 +10,9 @@
 //    are decided mostly without a division (iou_decided_without_division). Only nonzero words
 //    are written, and each sets a bit in its row's summary, so later passes read only those
 //    words. Tiles whose row and column boxes share no category are never visited.
-// 3. nms_dataflow_kernel (one cooperative launch): greedy NMS keeps box j when no kept box
+// 3. The greedy pass. Up to kMaxBlockPass boxes (not batched), nms_block_pass_kernel: one block
+//    decides tile after tile with the decisions in shared memory. Otherwise
+//    nms_dataflow_kernel (one cooperative launch): greedy NMS keeps box j when no kept box
 //    before it overlaps it. A box is decided as soon as that is known: suppressed once a kept
 //    earlier box overlaps it, kept once every overlapping earlier box is decided and suppressed.
 //    Each warp owns 32 positions and decides them in rank order as their inputs arrive from
@@ -46,6 +48,8 @@ constexpr int kSortThreads = 512;       // blocks ranking up to 4096 scores
 constexpr int kWideSortThreads = 1024;  // and up to kMaxBlockSort
 constexpr int64_t kMaxBlockSort = kWideSortThreads * 8;
 constexpr int kFixThreads = 512;
+constexpr int kPassThreads = 1024;      // the one-block pass
+constexpr int64_t kMaxBlockPass = 4096;  // boxes it takes (64 tiles, 2 per warp)
 constexpr int kBatchWords = 8;
 constexpr int64_t kMaskSpread = 16;      // fewest blocks per row tile of the mask
 constexpr int64_t kMaskBlocksPerSm = 32;  // resident 64-thread blocks per SM
@@ -433,6 +437,167 @@ __global__ void __launch_bounds__(kFixThreads) nms_dataflow_kernel(
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x == 0) *count = base;
 }
 
+// NMS's greedy pass in one block for up to kMaxBlockPass positions (at most 64 tiles), tile by
+// tile in rank order, with the decisions in shared memory. Warp w decides tiles w and w + 32
+// (rows tile * 64 + lane and + 32 of each). Before deciding tile t it folds, column tile by
+// column tile as each is decided, the words of its undecided rows: a row is suppressed once one
+// of its words meets the kept boxes of that column tile. Each row holds its next nonzero word,
+// loaded as soon as the one before it is folded. To decide tile t, its warp waits for tile
+// t - 1 (a counter in shared memory, no block-wide barrier), folds that column and decides the
+// tile's 64 rows from their words of the tile itself (kept once every earlier overlapping row
+// of the tile is decided and not kept), in as many rounds as the tile's longest chain. So a
+// tile costs shared-memory round trips, not the global ones between blocks of the cooperative
+// pass (BENCHMARKS.md, "NMS pass in one block up to 4096 boxes").
+// Shared memory (dynamic): per row its word of its own tile, and the bits of its nonzero words
+// of earlier tiles not folded yet.
+inline size_t block_pass_smem(int64_t n) {
+  return static_cast<size_t>(2 * n) * sizeof(uint64_t);
+}
+
+__global__ void __launch_bounds__(kPassThreads) nms_block_pass_kernel(
+    int64_t n, const uint64_t* __restrict__ mask, const unsigned long long* __restrict__ summary,
+    const bool* __restrict__ valid, const int64_t* __restrict__ order, int64_t* __restrict__ out,
+    int64_t* __restrict__ count) {
+  constexpr int kWarps = kPassThreads / 32;
+  constexpr int kOwned = static_cast<int>(kMaxBlockPass / kTile / kWarps);  // tiles per warp
+  static_assert(kMaxBlockPass <= 64 * kTile, "a row's earlier column tiles fit one summary word");
+  constexpr int kNone = kTile;  // no nonzero word left
+  extern __shared__ uint64_t pass_smem[];
+  uint64_t* const diag = pass_smem;     // [n]
+  uint64_t* const unfolded = pass_smem + n;  // [n]
+  __shared__ uint64_t kept[kMaxBlockPass / kTile];
+  __shared__ int decided_tiles;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tiles = static_cast<int>((n + kTile - 1) / kTile);
+
+  // Per owned row (tile warp + 32 s, half h; bit 2 s + h of `ext`): its next nonzero word of an
+  // earlier column tile (kNone: none) and that word.
+  int next[kOwned][2];
+  uint64_t word[kOwned][2];
+  unsigned int ext = 0;  // decided, not kept: suppressed from an earlier tile, past n, or NaN
+  auto row_of = [&](int s, int h) { return int64_t{warp + kWarps * s} * kTile + lane + 32 * h; };
+  auto advance = [&](int s, int h) {
+    const int64_t j = row_of(s, h);
+    const uint64_t bits = unfolded[j];
+    next[s][h] = bits ? __ffsll(static_cast<long long>(bits)) - 1 : kNone;
+    if (bits) word[s][h] = mask[mask_row_offset(j) + next[s][h]];
+  };
+  if (threadIdx.x == 0) decided_tiles = 0;
+#pragma unroll
+  for (int s = 0; s < kOwned; ++s) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rt = warp + kWarps * s;
+      const int64_t j = row_of(s, h);
+      next[s][h] = kNone;
+      word[s][h] = 0;
+      if (rt >= tiles) continue;
+      if (j >= n || !valid[j]) {
+        ext |= 1u << (2 * s + h);
+        if (j < n) diag[j] = 0;
+        continue;
+      }
+      const uint64_t bits = summary[summary_row_offset(j)];
+      diag[j] = (bits >> rt) & 1u ? mask[mask_row_offset(j) + rt] : 0;
+      unfolded[j] = bits & bit_range(0, rt);
+      advance(s, h);
+    }
+  }
+  __syncthreads();
+
+  // Folds column tile c (kept word kp) into row (s, h) if that is its next nonzero word.
+  auto fold = [&](int s, int h, int c, uint64_t kp) {
+    if (next[s][h] != c) return;
+    if (word[s][h] & kp) {  // suppressed: nothing more to read
+      ext |= 1u << (2 * s + h);
+      next[s][h] = kNone;
+      return;
+    }
+    const int64_t j = row_of(s, h);
+    unfolded[j] &= unfolded[j] - 1;
+    advance(s, h);
+  };
+  // Column c into the rows of owned tiles [from, to).
+  auto fold_rows = [&](int c, uint64_t kp, int from, int to) {
+#pragma unroll
+    for (int s = 0; s < kOwned; ++s) {
+      if (s >= from && s < to) {
+        fold(s, 0, c, kp);
+        fold(s, 1, c, kp);
+      }
+    }
+  };
+  // Until tiles 0 .. c are decided. Every lane reads the counter (acquire), so every lane sees
+  // their kept words; the warp leaves together.
+  auto wait_decided = [&](int c) {
+    while (!__all_sync(0xffffffffu, ::cuda::atomic_ref<int, ::cuda::thread_scope_block>(decided_tiles).load(
+                                        ::cuda::std::memory_order_acquire) > c)) {
+      __nanosleep(20);
+    }
+  };
+
+  int c = 0;  // the next column tile to fold
+#pragma unroll
+  for (int s = 0; s < kOwned; ++s) {
+    const int t = warp + kWarps * s;
+    if (t < tiles) {
+      for (; c < t - 1; ++c) {
+        wait_decided(c);
+        fold_rows(c, kept[c], s, kOwned);
+      }
+      uint64_t last = 0;  // kept boxes of tile t - 1
+      if (t > 0) {
+        wait_decided(t - 1);
+        last = kept[t - 1];
+        fold_rows(t - 1, last, s, s + 1);
+      }
+      // Tile t's rows: decided not kept (ext), or kept once no earlier overlapping row of the
+      // tile is undecided or kept; the earliest undecided row is always decided.
+      const unsigned int e = ext >> (2 * s);
+      const int64_t j0 = int64_t{t} * kTile + lane, j1 = j0 + 32;
+      const uint64_t d0 = j0 < n ? diag[j0] : 0, d1 = j1 < n ? diag[j1] : 0;
+      uint64_t dec = __ballot_sync(0xffffffffu, e & 1u) | static_cast<uint64_t>(__ballot_sync(0xffffffffu, e & 2u)) << 32;
+      uint64_t keep = 0;
+      while (dec != ~0ULL) {
+        const bool open0 = !((dec >> lane) & 1u), open1 = !((dec >> (lane + 32)) & 1u);
+        const bool sup0 = open0 && (d0 & keep), sup1 = open1 && (d1 & keep);
+        const bool k0 = open0 && !sup0 && !(d0 & ~dec), k1 = open1 && !sup1 && !(d1 & ~dec);
+        const uint64_t kb = __ballot_sync(0xffffffffu, k0) | static_cast<uint64_t>(__ballot_sync(0xffffffffu, k1)) << 32;
+        const uint64_t sup = __ballot_sync(0xffffffffu, sup0) | static_cast<uint64_t>(__ballot_sync(0xffffffffu, sup1)) << 32;
+        keep |= kb;
+        dec |= kb | sup;
+      }
+      if (lane == 0) {
+        kept[t] = keep;
+        ::cuda::atomic_ref<int, ::cuda::thread_scope_block>(decided_tiles).store(t + 1, ::cuda::std::memory_order_release);
+      }
+      if (t > 0) fold_rows(t - 1, last, s + 1, kOwned);
+      c = t;
+    }
+  }
+  __syncthreads();
+
+  // The kept positions (ranks) in order, to `out`: each thread 8 consecutive ones per round.
+  using Scan = cub::BlockScan<int, kPassThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  int64_t base = 0;
+  for (int64_t r0 = 0; r0 < int64_t{tiles} * kTile; r0 += int64_t{kPassThreads} * 8) {
+    const int64_t p = r0 + int64_t{threadIdx.x} * 8;
+    unsigned int bits = p < int64_t{tiles} * kTile ? static_cast<unsigned int>((kept[p / kTile] >> (p % kTile)) & 0xffu) : 0u;
+    int offset = 0, total = 0;
+    Scan(scan).ExclusiveSum(__popc(bits), offset, total);
+    int64_t o = base + offset;
+    while (bits) {
+      const int b = __ffs(bits) - 1;
+      bits &= bits - 1;
+      out[o++] = order[p + b];
+    }
+    base += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *count = base;
+}
+
 template <typename scalar_t>
 void launch_block_sort(
     int64_t n, const at::Tensor& scores, const at::Tensor& boxes, int64_t* order,
@@ -564,15 +729,28 @@ at::Tensor nms_cuda_impl(
   const unsigned long long* summary_cptr = summary_ptr;
   const bool* valid_ptr = valid_mut;
 
-  const int per_sm = batched ? dataflow_blocks_per_sm<true>() : dataflow_blocks_per_sm<false>();
-  const int64_t wanted = cuda::ceil_div(n, kFixThreads);
-  const int blocks = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(wanted, static_cast<int64_t>(per_sm) * props->multiProcessorCount)));
-  void* args[] = {const_cast<int64_t*>(&n), &mask_cptr, &summary_cptr, &valid_ptr, &kept, &decided,
-                  &order_ptr, &rank_ptr, &out, &count, &kept_ranks};
-  const void* fn = batched ? reinterpret_cast<const void*>(nms_dataflow_kernel<true>)
-                           : reinterpret_cast<const void*>(nms_dataflow_kernel<false>);
-  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(fn, dim3(blocks), dim3(kFixThreads), args, 0, stream));
+  // Up to kMaxBlockPass boxes (not batched: its categories' chains run in parallel in the
+  // cooperative pass) one block takes the pass.
+  const size_t pass_smem = block_pass_smem(n);
+  if (!batched && n <= kMaxBlockPass && pass_smem + 8 * 1024 <= props->sharedMemPerBlockOptin) {
+    if (pass_smem > 40 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(
+          nms_block_pass_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pass_smem)));
+    }
+    nms_block_pass_kernel<<<1, kPassThreads, pass_smem, stream>>>(
+        n, mask_cptr, summary_cptr, valid_ptr, order_ptr, out, count);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    const int per_sm = batched ? dataflow_blocks_per_sm<true>() : dataflow_blocks_per_sm<false>();
+    const int64_t wanted = cuda::ceil_div(n, kFixThreads);
+    const int blocks = static_cast<int>(std::max<int64_t>(
+        1, std::min<int64_t>(wanted, static_cast<int64_t>(per_sm) * props->multiProcessorCount)));
+    void* args[] = {const_cast<int64_t*>(&n), &mask_cptr, &summary_cptr, &valid_ptr, &kept, &decided,
+                    &order_ptr, &rank_ptr, &out, &count, &kept_ranks};
+    const void* fn = batched ? reinterpret_cast<const void*>(nms_dataflow_kernel<true>)
+                             : reinterpret_cast<const void*>(nms_dataflow_kernel<false>);
+    C10_CUDA_CHECK(cudaLaunchCooperativeKernel(fn, dim3(blocks), dim3(kFixThreads), args, 0, stream));
+  }
 
   // The one host sync: the number of kept boxes sizes the result.
   int64_t kept_count = 0;
