@@ -641,8 +641,9 @@ def test_roi_kernel_choice_is_checked():
 # three channels), in bands of twice the shared memory for float32 bins as tall as 7x7 ones. float32
 # planes 600 wide stage windows of about 40 rows in the backward and of 21 rows (16 owned, 5
 # overlap) in the forward; so do 300-wide ones with 9 bin rows per RoI (the forward's usual
-# bands); RoIs 90 rows tall have bins taller than either overlap. Channel counts that are not
-# multiples of four leave a last, partial group. 1200 RoIs on two 64 x 64 maps give one block
+# bands); RoIs 90 rows tall have bins taller than either overlap, and RoIs up to 150 rows tall
+# in 3x3 bins, sampled 4 x 4, read most of their rows past the window. Channel counts that are
+# not multiples of four leave a last, partial group. 1200 RoIs on two 64 x 64 maps give one block
 # thousands of bin rows.
 BAND_CASES = {
     "one band": (2, 8, 40, 56, 300, 2, 30, 0.0, (7, 7), 2, True),
@@ -651,6 +652,7 @@ BAND_CASES = {
     "odd sizes": (3, 4, 97, 301, 500, 1, 97, 0.2, (14, 14), 1, False),
     "spilling RoIs": (2, 3, 120, 400, 200, 4, 200, 0.5, (3, 5), 4, False),
     "many RoIs": (2, 6, 64, 64, 1200, 1, 20, 0.0, (7, 7), 3, True),
+    "taller than the window, sampling ratio 4": (2, 20, 150, 200, 300, 4, 150, 0.3, (3, 3), 4, True),
 }
 
 
@@ -693,7 +695,9 @@ def test_cuda_band_kernels_agree_with_gather_and_cpu(case):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", ["bands, tall bins", "channel quads, tall bins", "many RoIs"])
+@pytest.mark.parametrize(
+    "case", ["bands, tall bins", "channel quads, tall bins", "many RoIs", "taller than the window, sampling ratio 4"]
+)
 def test_cuda_band_kernels_dtypes(dtype, case):
     batch, c, h, w, k, lo, hi, spill, pooled, sr, aligned = BAND_CASES[case]
     scale = 0.5
