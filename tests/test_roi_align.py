@@ -642,9 +642,9 @@ def test_roi_kernel_choice_is_checked():
 # planes 600 wide stage windows of about 40 rows in the backward and of 21 rows (16 owned, 5
 # overlap) in the forward; so do 300-wide ones with 9 bin rows per RoI (the forward's usual
 # bands); RoIs 90 rows tall have bins taller than either overlap, and RoIs up to 150 rows tall
-# in 3x3 bins, sampled 4 x 4, read most of their rows past the window. Channel counts that are
-# not multiples of four leave a last, partial group. 1200 RoIs on two 64 x 64 maps give one block
-# thousands of bin rows.
+# in 3x3 bins, sampled 4 x 4, have bin rows up to about 40 rows tall, past every window's
+# overlap. Channel counts that are not multiples of four leave a last, partial group. 1200 RoIs
+# on two 64 x 64 maps give one block thousands of bin rows.
 BAND_CASES = {
     "one band": (2, 8, 40, 56, 300, 2, 30, 0.0, (7, 7), 2, True),
     "bands, tall bins": (1, 5, 100, 600, 400, 2, 90, 0.1, (7, 7), 2, True),
