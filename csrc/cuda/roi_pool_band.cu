@@ -256,7 +256,6 @@ PoolSetup setup_pool_bands(
   return s;
 }
 
-
 }  // namespace
 
 at::Tensor roi_pool_backward_band(

@@ -347,7 +347,6 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
   }
 }
 
-
 int64_t word_bytes(const at::Tensor& input) {
   return input.element_size() == 2 ? 4 : input.element_size();
 }
