@@ -412,11 +412,11 @@ def test_nms_cuda_long_chains(n):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("n", [4096, 4097, 8191, 8192, 8193, 16384])
+@pytest.mark.parametrize("n", [1, 2, 31, 33, 257, 1000, 4096, 4097, 8191, 8192, 8193, 16384])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_nms_cuda_around_the_block_sort_limit(n, dtype):
-    # Up to 8192 boxes the ranking is sorted by one block (of 512 threads up to 4096, of 1024
-    # above); above 8192, by torch's sort.
+def test_nms_cuda_around_the_counting_rank_limit(n, dtype):
+    # Up to 8192 boxes each box's rank is counted (the boxes ahead of it: higher scores, equal
+    # scores at lower indices); above 8192 torch's sort ranks them.
     boxes, scores = random_boxes(n, seed=n, dtype=dtype)
     scores = (scores * 8).round() / 8  # many ties: equal scores keep index order
     scores[::97] = -0.0

@@ -1,8 +1,8 @@
 // NMS and batched (per-category) NMS on CUDA.
 //
-// 1. Rank boxes by score (descending, ties by index). Up to kMaxBlockSort boxes one block sorts
-//    them in shared memory and writes the ranked boxes in the same kernel; larger inputs use
-//    torch's stable sort and nms_prepare_kernel. Batched NMS then groups the ranking by category
+// 1. Rank boxes by score (descending, ties by index). Up to kMaxCountRank boxes
+//    nms_rank_kernel counts, for each box, the boxes ahead of it and writes the ranked boxes in
+//    the same kernel; larger inputs use torch's stable sort and nms_prepare_kernel. Batched NMS then groups the ranking by category
 //    (stable), so each category is a contiguous run of positions.
 // 2. nms_mask_kernel: for every 64x64 tile on or below the diagonal, one bit per pair (row box,
 //    earlier column box) whose IoU exceeds the threshold. A block per row tile and column
@@ -25,7 +25,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
-#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cuda/atomic>
@@ -44,9 +43,8 @@ namespace cg = cooperative_groups;
 
 constexpr int kTile = 64;
 constexpr int kPrepareThreads = 256;
-constexpr int kSortThreads = 512;       // blocks ranking up to 4096 scores
-constexpr int kWideSortThreads = 1024;  // and up to kMaxBlockSort
-constexpr int64_t kMaxBlockSort = kWideSortThreads * 8;
+constexpr int kRankWarps = 8;           // per block of the counting rank
+constexpr int kMaxCountRank = 8192;     // boxes it ranks (their keys in shared memory)
 constexpr int kFixThreads = 512;
 constexpr int kPassThreads = 1024;      // the one-block pass
 constexpr int64_t kMaxBlockPass = 4096;  // boxes it takes (64 tiles, 2 per warp)
@@ -87,40 +85,77 @@ __device__ __forceinline__ uint64_t score_key(float s) {
   return u;
 }
 
-// One block ranks up to kMaxBlockSort float, half or bfloat16 scores (a stable radix sort of
-// the score keys with the indices: higher score first, equal scores by index, NaN last) and
-// writes, per rank, the original index, the box in float and whether the score is a number.
-// Also clears the mask's row summaries.
-template <typename scalar_t, int kThreads, int kItems>
-__global__ void __launch_bounds__(kThreads) nms_block_sort_kernel(
+// Boxes ahead of key `mine` among keys [from, to) (multiples of 4): keys above it, or also
+// those equal to it (kOrEqual: they all have lower indices). Every lane reads the same keys.
+template <bool kOrEqual>
+__device__ __forceinline__ int count_ahead(const uint32_t* keys, int from, int to, uint32_t mine) {
+  const uint4* k4 = reinterpret_cast<const uint4*>(keys);
+  int c0 = 0, c1 = 0;
+#pragma unroll 4
+  for (int q = from / 4; q < to / 4; ++q) {
+    const uint4 k = k4[q];
+    if (kOrEqual) {
+      c0 += (k.x >= mine) + (k.y >= mine);
+      c1 += (k.z >= mine) + (k.w >= mine);
+    } else {
+      c0 += (k.x > mine) + (k.y > mine);
+      c1 += (k.z > mine) + (k.w > mine);
+    }
+  }
+  return c0 + c1;
+}
+
+// Ranks up to kMaxCountRank float, half or bfloat16 scores by counting: the rank of box i is
+// the number of boxes ahead of it (a higher score key, or the same key and a lower index), so
+// higher scores come first, equal scores by index and NaN last, as in a stable descending sort.
+// Block b ranks boxes 32 b .. 32 b + 31, one per lane; each of its warps counts over a share
+// of all the keys, staged in shared memory. The block then writes, per rank, the original
+// index, the box in float and whether the score is a number. Also clears the mask's row
+// summaries.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kRankWarps * 32) nms_rank_kernel(
     int64_t n, const scalar_t* __restrict__ scores, int64_t score_stride,
     const scalar_t* __restrict__ boxes, int64_t stride0, int64_t stride1, int64_t* __restrict__ order,
     float* __restrict__ sorted_boxes, bool* __restrict__ valid, unsigned long long* __restrict__ summary,
     int64_t summary_size) {
-  using Sort = cub::BlockRadixSort<unsigned int, kThreads, kItems, int>;
-  __shared__ typename Sort::TempStorage temp;
-  for (int64_t i = threadIdx.x; i < summary_size; i += blockDim.x) summary[i] = 0;
-  unsigned int key[kItems];
-  int idx[kItems];
-#pragma unroll
-  for (int k = 0; k < kItems; ++k) {
-    const int i = threadIdx.x * kItems + k;
-    // Positions past n get the NaN key and sort after every real entry (the sort is stable).
-    key[k] = i < n ? static_cast<unsigned int>(score_key(static_cast<float>(scores[i * score_stride]))) : 0u;
-    idx[k] = i;
+  __shared__ __align__(16) uint32_t keys[kMaxCountRank];
+  __shared__ int partial[kRankWarps][32];
+  for (int64_t w = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; w < summary_size;
+       w += int64_t{gridDim.x} * blockDim.x) {
+    summary[w] = 0;
   }
-  Sort(temp).SortDescending(key, idx);
-#pragma unroll
-  for (int k = 0; k < kItems; ++k) {
-    const int p = threadIdx.x * kItems + k;
-    if (p < n) {
-      const int64_t i = idx[k];
-      order[p] = i;
-      valid[p] = key[k] != 0;
-      const scalar_t* b = boxes + i * stride0;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) sorted_boxes[p * 4 + c] = static_cast<float>(b[c * stride1]);
+  const int count = static_cast<int>(n);
+  const int padded = (count + 31) & ~31;  // keys past n are 0, never ahead
+#pragma unroll 4
+  for (int j = threadIdx.x; j < padded; j += blockDim.x) {
+    keys[j] = j < count ? static_cast<uint32_t>(score_key(static_cast<float>(scores[j * score_stride]))) : 0u;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int i0 = blockIdx.x * 32, i = i0 + lane;
+  const uint32_t mine = keys[i];
+  // This warp's share [lo, hi) of the keys, in whole groups of 32: before this block's group
+  // a key ahead may be equal, after it it must be higher, and within it the index decides.
+  const int groups = padded / 32;
+  const int lo = 32 * (groups * warp / kRankWarps), hi = 32 * (groups * (warp + 1) / kRankWarps);
+  int ahead = count_ahead<true>(keys, lo, min(hi, i0), mine) + count_ahead<false>(keys, max(lo, i0 + 32), hi, mine);
+  if (lo <= i0 && i0 < hi) {
+    for (int j = i0; j < i0 + 32; ++j) {
+      const uint32_t k = keys[j];
+      ahead += k > mine || (k == mine && j < i);
     }
+  }
+  partial[warp][lane] = ahead;
+  __syncthreads();
+  if (warp == 0 && i < count) {
+    int p = 0;
+#pragma unroll
+    for (int w = 0; w < kRankWarps; ++w) p += partial[w][lane];
+    order[p] = i;
+    valid[p] = mine != 0;
+    const scalar_t* b = boxes + i * stride0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sorted_boxes[p * 4 + c] = static_cast<float>(b[c * stride1]);
   }
 }
 
@@ -599,22 +634,18 @@ __global__ void __launch_bounds__(kPassThreads) nms_block_pass_kernel(
 }
 
 template <typename scalar_t>
-void launch_block_sort(
+void launch_count_rank(
     int64_t n, const at::Tensor& scores, const at::Tensor& boxes, int64_t* order,
     at::opmath_type<scalar_t>* sorted_boxes, bool* valid, unsigned long long* summary, int64_t summary_size,
     cudaStream_t stream) {
-  auto kernel = n <= kSortThreads * 2   ? nms_block_sort_kernel<scalar_t, kSortThreads, 2>
-                : n <= kSortThreads * 8 ? nms_block_sort_kernel<scalar_t, kSortThreads, 8>
-                                        : nms_block_sort_kernel<scalar_t, kWideSortThreads, 8>;
-  const int threads = n <= kSortThreads * 8 ? kSortThreads : kWideSortThreads;
-  kernel<<<1, threads, 0, stream>>>(
+  nms_rank_kernel<scalar_t><<<static_cast<unsigned>(cuda::ceil_div(n, 32)), kRankWarps * 32, 0, stream>>>(
       n, scores.const_data_ptr<scalar_t>(), scores.stride(0), boxes.const_data_ptr<scalar_t>(), boxes.stride(0),
       boxes.stride(1), order, sorted_boxes, valid, summary, summary_size);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <>
-void launch_block_sort<double>(
+void launch_count_rank<double>(
     int64_t, const at::Tensor&, const at::Tensor&, int64_t*, double*, bool*, unsigned long long*, int64_t,
     cudaStream_t) {
   TORCH_INTERNAL_ASSERT(false, "detops.nms: float64 scores are ranked by torch's sort");
@@ -649,8 +680,8 @@ at::Tensor nms_cuda_impl(
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const bool batched = idxs != nullptr;
 
-  // One block ranks small inputs whose scores have float precision or less.
-  const bool block_sort = !batched && n <= kMaxBlockSort && scores.scalar_type() == boxes.scalar_type() &&
+  // Small inputs whose scores have float precision or less are ranked by counting.
+  const bool count_rank = !batched && n <= kMaxCountRank && scores.scalar_type() == boxes.scalar_type() &&
                           boxes.scalar_type() != at::kDouble;
 
   at::Tensor order;     // rank -> original index (torch's sort)
@@ -660,12 +691,12 @@ at::Tensor nms_cuda_impl(
   const int64_t summary_size = summary_words(n);
   const int64_t acc_size = boxes.scalar_type() == at::kDouble ? 8 : 4;
   // One scratch allocation: mask, row summaries, `kept` and `decided` words (one per tile
-  // each; batched NMS also kept ranks), ranked order (one-block sort), ranked boxes (aligned
+  // each; batched NMS also kept ranks), ranked order (counting rank), ranked boxes (aligned
   // for vector loads) and the valid flags.
   const int64_t off_summary = mask_words(n);
   const int64_t off_flags = off_summary + summary_size;
   const int64_t off_order = off_flags + (batched ? 3 : 2) * tiles;
-  const int64_t off_boxes = cuda::round_up(off_order + (block_sort ? n : 0), 4);  // 32-byte aligned
+  const int64_t off_boxes = cuda::round_up(off_order + (count_rank ? n : 0), 4);  // 32-byte aligned
   const int64_t off_valid = off_boxes + cuda::ceil_div(4 * n * acc_size, 8);
   const int64_t scratch_size = off_valid + cuda::ceil_div(n, 8);
   at::Tensor scratch = at::empty({scratch_size}, long_opts);
@@ -681,8 +712,8 @@ at::Tensor nms_cuda_impl(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, boxes.scalar_type(), "detops.nms", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     auto* sorted_boxes = reinterpret_cast<acc_t*>(base + off_boxes);
-    if (block_sort) {
-      launch_block_sort<scalar_t>(
+    if (count_rank) {
+      launch_count_rank<scalar_t>(
           n, scores, boxes, base + off_order, sorted_boxes, valid_mut, summary_ptr, summary_size, stream);
     } else {
       auto sorted_scores = scores.sort(/*stable=*/true, 0, /*descending=*/true);
