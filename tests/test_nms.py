@@ -415,8 +415,8 @@ def test_nms_cuda_long_chains(n):
 @pytest.mark.parametrize("n", [1, 2, 31, 33, 257, 1000, 4096, 4097, 8191, 8192, 8193, 16384])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nms_cuda_around_the_counting_rank_limit(n, dtype):
-    # Up to 8192 boxes each box's rank is counted (the boxes ahead of it: higher scores, equal
-    # scores at lower indices); above 8192 torch's sort ranks them.
+    # Up to 8192 boxes each box's rank is counted (the boxes ahead of it:
+    # higher scores, equal scores at lower indices); above that torch's sort ranks them.
     boxes, scores = random_boxes(n, seed=n, dtype=dtype)
     scores = (scores * 8).round() / 8  # many ties: equal scores keep index order
     scores[::97] = -0.0
@@ -427,6 +427,15 @@ def test_nms_cuda_around_the_counting_rank_limit(n, dtype):
     got = nms(boxes.cuda(), scores.cuda(), 0.5).cpu()
     assert torch.equal(got, nms(boxes, scores, 0.5))
     assert torch.equal(got, ref.nms(boxes, scores, 0.5))
+    # Batched NMS counts up to 8192 boxes where a block has 100 KiB of shared memory (5120 with
+    # 64 KiB), comparing 64-bit categories as well.
+    g = torch.Generator().manual_seed(n)
+    idxs = torch.randint(-1, 2, (n,), generator=g) * 2**62 + torch.randint(0, 3, (n,), generator=g)
+    idxs[5::89] = torch.iinfo(torch.int64).max
+    idxs[6::89] = torch.iinfo(torch.int64).min
+    got = batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu()
+    assert torch.equal(got, batched_nms(boxes, scores, idxs, 0.5))
+    assert torch.equal(got, ref.batched_nms(boxes, scores, idxs, 0.5))
 
 
 @pytest.mark.cuda

@@ -1,9 +1,10 @@
 // NMS and batched (per-category) NMS on CUDA.
 //
-// 1. Rank boxes by score (descending, ties by index). Up to kMaxCountRank boxes
-//    nms_rank_kernel counts, for each box, the boxes ahead of it and writes the ranked boxes in
-//    the same kernel; larger inputs use torch's stable sort and nms_prepare_kernel. Batched NMS then groups the ranking by category
-//    (stable), so each category is a contiguous run of positions.
+// 1. Rank boxes by score (descending, ties by index). Batched NMS then groups the ranking by
+//    category (stable), so each category is a contiguous run of positions. Up to kMaxCountRank
+//    boxes (max_count_rank_batched with categories) one kernel counts, for each box, the boxes
+//    ahead of it (nms_rank.cuh) and writes the ranked boxes; larger inputs use torch's stable
+//    sort (twice with categories) and nms_prepare_kernel.
 // 2. nms_mask_kernel: for every 64x64 tile on or below the diagonal, one bit per pair (row box,
 //    earlier column box) whose IoU exceeds the threshold. A block per row tile and column
 //    stride holds its row boxes in registers and walks its column tiles; intersecting pairs
@@ -34,17 +35,20 @@
 #include "../common/box_iou.h"
 #include "../common/checks.h"
 #include "cuda_helpers.h"
+#include "nms_rank.cuh"
 
 namespace detops {
 namespace ops {
 namespace {
 
 namespace cg = cooperative_groups;
+using nms_rank::block_count_rank;
+using nms_rank::kMaxCountRank;
+using nms_rank::kRankWarps;
+using nms_rank::score_key;
 
 constexpr int kTile = 64;
 constexpr int kPrepareThreads = 256;
-constexpr int kRankWarps = 8;           // per block of the counting rank
-constexpr int kMaxCountRank = 8192;     // boxes it ranks (their keys in shared memory)
 constexpr int kFixThreads = 512;
 constexpr int kPassThreads = 1024;      // the one-block pass
 constexpr int64_t kMaxBlockPass = 4096;  // boxes it takes (64 tiles, 2 per warp)
@@ -76,42 +80,10 @@ inline int64_t summary_words(int64_t n) {
   return n == 0 ? 0 : summary_row_offset(n - 1) + (n - 1) / kTile / 64 + 1;
 }
 
-// A key whose unsigned order is the order of the score: NaN lowest (0), -0.0 equal to +0.0.
-__device__ __forceinline__ uint64_t score_key(float s) {
-  if (s != s) return 0;
-  if (s == 0.0f) s = 0.0f;
-  uint32_t u = __float_as_uint(s);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return u;
-}
-
-// Boxes ahead of key `mine` among keys [from, to) (multiples of 4): keys above it, or also
-// those equal to it (kOrEqual: they all have lower indices). Every lane reads the same keys.
-template <bool kOrEqual>
-__device__ __forceinline__ int count_ahead(const uint32_t* keys, int from, int to, uint32_t mine) {
-  const uint4* k4 = reinterpret_cast<const uint4*>(keys);
-  int c0 = 0, c1 = 0;
-#pragma unroll 4
-  for (int q = from / 4; q < to / 4; ++q) {
-    const uint4 k = k4[q];
-    if (kOrEqual) {
-      c0 += (k.x >= mine) + (k.y >= mine);
-      c1 += (k.z >= mine) + (k.w >= mine);
-    } else {
-      c0 += (k.x > mine) + (k.y > mine);
-      c1 += (k.z > mine) + (k.w > mine);
-    }
-  }
-  return c0 + c1;
-}
-
-// Ranks up to kMaxCountRank float, half or bfloat16 scores by counting: the rank of box i is
-// the number of boxes ahead of it (a higher score key, or the same key and a lower index), so
-// higher scores come first, equal scores by index and NaN last, as in a stable descending sort.
-// Block b ranks boxes 32 b .. 32 b + 31, one per lane; each of its warps counts over a share
-// of all the keys, staged in shared memory. The block then writes, per rank, the original
-// index, the box in float and whether the score is a number. Also clears the mask's row
-// summaries.
+// Ranks up to kMaxCountRank float, half or bfloat16 scores by counting (nms_rank.cuh): higher
+// scores first, equal scores by index, NaN last. Block b ranks boxes 32 b .. 32 b + 31 and
+// writes, per rank, the original index, the box in float and whether the score is a number.
+// Also clears the mask's row summaries.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kRankWarps * 32) nms_rank_kernel(
     int64_t n, const scalar_t* __restrict__ scores, int64_t score_stride,
@@ -125,33 +97,110 @@ __global__ void __launch_bounds__(kRankWarps * 32) nms_rank_kernel(
     summary[w] = 0;
   }
   const int count = static_cast<int>(n);
-  const int padded = (count + 31) & ~31;  // keys past n are 0, never ahead
+  const int padded = (count + 31) & ~31;
 #pragma unroll 4
   for (int j = threadIdx.x; j < padded; j += blockDim.x) {
-    keys[j] = j < count ? static_cast<uint32_t>(score_key(static_cast<float>(scores[j * score_stride]))) : 0u;
+    keys[j] = j < count ? score_key(static_cast<float>(scores[j * score_stride])) : 0u;  // past n: never ahead
+  }
+  __syncthreads();
+  const int p = block_count_rank(keys, padded, blockIdx.x, partial);
+  const int i = blockIdx.x * 32 + threadIdx.x;
+  if (threadIdx.x < 32 && i < count) {
+    order[p] = i;
+    valid[p] = keys[i] != 0;
+    const scalar_t* b = boxes + i * stride0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sorted_boxes[p * 4 + c] = static_cast<float>(b[c * stride1]);
+  }
+}
+
+// Batched NMS's counts over keys [from, to) (multiples of 4) for the box of key `mine` and
+// category `mc`: boxes ahead of it by score (as count_ahead), and boxes ahead of its position,
+// those of lower categories and those of its category ahead by score.
+template <bool kOrEqual>
+__device__ __forceinline__ void count_ahead_by_category(
+    const uint32_t* keys, const int64_t* cls, int from, int to, uint32_t mine, int64_t mc, int& by_score,
+    int& by_position) {
+  const uint4* k4 = reinterpret_cast<const uint4*>(keys);
+  const longlong2* c2 = reinterpret_cast<const longlong2*>(cls);
+  auto step = [&](uint32_t k, int64_t c) {
+    const bool ahead = kOrEqual ? k >= mine : k > mine;
+    by_score += ahead;
+    by_position += c < mc || (c == mc && ahead);
+  };
+#pragma unroll 2
+  for (int q = from / 4; q < to / 4; ++q) {
+    const uint4 k = k4[q];
+    const longlong2 c01 = c2[2 * q], c23 = c2[2 * q + 1];
+    step(k.x, c01.x);
+    step(k.y, c01.y);
+    step(k.z, c23.x);
+    step(k.w, c23.y);
+  }
+}
+
+// Batched NMS up to max_count_rank_batched boxes, ranked by counting (nms_rank.cuh) with their
+// categories: box i's rank R is the number of boxes ahead of it by score, and its position P
+// the number of boxes of lower categories plus those of its category ahead of it by score, so
+// positions group the ranking by category (ascending) as the stable sort by category of
+// torch's path does. Block b takes boxes 32 b .. 32 b + 31 and writes order[R] = i,
+// rank[P] = R, cls_sorted[P] and, at P, the box in float and whether the score is a number.
+// Also clears the mask's row summaries. Dynamic shared memory: the categories, then the keys.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kRankWarps * 32) nms_batched_rank_kernel(
+    int64_t n, const scalar_t* __restrict__ scores, int64_t score_stride, const int64_t* __restrict__ idxs,
+    int64_t idx_stride, const scalar_t* __restrict__ boxes, int64_t stride0, int64_t stride1,
+    int64_t* __restrict__ order, int64_t* __restrict__ rank, int64_t* __restrict__ cls_sorted,
+    float* __restrict__ sorted_boxes, bool* __restrict__ valid, unsigned long long* __restrict__ summary,
+    int64_t summary_size) {
+  extern __shared__ __align__(16) int64_t batched_rank_smem[];
+  __shared__ int partial_score[kRankWarps][32], partial_position[kRankWarps][32];
+  for (int64_t w = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; w < summary_size;
+       w += int64_t{gridDim.x} * blockDim.x) {
+    summary[w] = 0;
+  }
+  const int count = static_cast<int>(n);
+  const int padded = (count + 31) & ~31;
+  int64_t* const cls = batched_rank_smem;                               // [padded]
+  uint32_t* const keys = reinterpret_cast<uint32_t*>(cls + padded);  // [padded]
+#pragma unroll 4
+  for (int j = threadIdx.x; j < padded; j += blockDim.x) {
+    const bool real = j < count;
+    keys[j] = real ? score_key(static_cast<float>(scores[j * score_stride])) : 0u;
+    cls[j] = real ? idxs[j * idx_stride] : INT64_MAX;  // past n: never ahead
   }
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int i0 = blockIdx.x * 32, i = i0 + lane;
   const uint32_t mine = keys[i];
-  // This warp's share [lo, hi) of the keys, in whole groups of 32: before this block's group
-  // a key ahead may be equal, after it it must be higher, and within it the index decides.
+  const int64_t mc = cls[i];
   const int groups = padded / 32;
   const int lo = 32 * (groups * warp / kRankWarps), hi = 32 * (groups * (warp + 1) / kRankWarps);
-  int ahead = count_ahead<true>(keys, lo, min(hi, i0), mine) + count_ahead<false>(keys, max(lo, i0 + 32), hi, mine);
+  int by_score = 0, by_position = 0;
+  count_ahead_by_category<true>(keys, cls, lo, min(hi, i0), mine, mc, by_score, by_position);
+  count_ahead_by_category<false>(keys, cls, max(lo, i0 + 32), hi, mine, mc, by_score, by_position);
   if (lo <= i0 && i0 < hi) {
     for (int j = i0; j < i0 + 32; ++j) {
       const uint32_t k = keys[j];
-      ahead += k > mine || (k == mine && j < i);
+      const int64_t c = cls[j];
+      const bool ahead = k > mine || (k == mine && j < i);
+      by_score += ahead;
+      by_position += c < mc || (c == mc && ahead);
     }
   }
-  partial[warp][lane] = ahead;
+  partial_score[warp][lane] = by_score;
+  partial_position[warp][lane] = by_position;
   __syncthreads();
   if (warp == 0 && i < count) {
-    int p = 0;
+    int r = 0, p = 0;
 #pragma unroll
-    for (int w = 0; w < kRankWarps; ++w) p += partial[w][lane];
-    order[p] = i;
+    for (int w = 0; w < kRankWarps; ++w) {
+      r += partial_score[w][lane];
+      p += partial_position[w][lane];
+    }
+    order[r] = i;
+    rank[p] = r;
+    cls_sorted[p] = mc;
     valid[p] = mine != 0;
     const scalar_t* b = boxes + i * stride0;
 #pragma unroll
@@ -633,22 +682,45 @@ __global__ void __launch_bounds__(kPassThreads) nms_block_pass_kernel(
   if (threadIdx.x == 0) *count = base;
 }
 
+// Ranks by counting (nms_rank_kernel, or nms_batched_rank_kernel given categories `idxs`,
+// which also writes rank and cls_sorted).
 template <typename scalar_t>
 void launch_count_rank(
-    int64_t n, const at::Tensor& scores, const at::Tensor& boxes, int64_t* order,
-    at::opmath_type<scalar_t>* sorted_boxes, bool* valid, unsigned long long* summary, int64_t summary_size,
-    cudaStream_t stream) {
-  nms_rank_kernel<scalar_t><<<static_cast<unsigned>(cuda::ceil_div(n, 32)), kRankWarps * 32, 0, stream>>>(
-      n, scores.const_data_ptr<scalar_t>(), scores.stride(0), boxes.const_data_ptr<scalar_t>(), boxes.stride(0),
-      boxes.stride(1), order, sorted_boxes, valid, summary, summary_size);
+    int64_t n, const at::Tensor& scores, const at::Tensor& boxes, const at::Tensor* idxs, int64_t* order,
+    int64_t* rank, int64_t* cls_sorted, at::opmath_type<scalar_t>* sorted_boxes, bool* valid,
+    unsigned long long* summary, int64_t summary_size, cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned>(cuda::ceil_div(n, 32));
+  if (idxs == nullptr) {
+    nms_rank_kernel<scalar_t><<<blocks, kRankWarps * 32, 0, stream>>>(
+        n, scores.const_data_ptr<scalar_t>(), scores.stride(0), boxes.const_data_ptr<scalar_t>(), boxes.stride(0),
+        boxes.stride(1), order, sorted_boxes, valid, summary, summary_size);
+  } else {
+    const at::Tensor cls = idxs->to(at::kLong);
+    const size_t smem = static_cast<size_t>(cuda::round_up(n, 32)) * (sizeof(int64_t) + sizeof(uint32_t));
+    if (smem > 44 * 1024) {  // with the static partial counts, past the default 48 KiB
+      C10_CUDA_CHECK(cudaFuncSetAttribute(
+          nms_batched_rank_kernel<scalar_t>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    }
+    nms_batched_rank_kernel<scalar_t><<<blocks, kRankWarps * 32, smem, stream>>>(
+        n, scores.const_data_ptr<scalar_t>(), scores.stride(0), cls.const_data_ptr<int64_t>(), cls.stride(0),
+        boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1), order, rank, cls_sorted, sorted_boxes,
+        valid, summary, summary_size);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <>
 void launch_count_rank<double>(
-    int64_t, const at::Tensor&, const at::Tensor&, int64_t*, double*, bool*, unsigned long long*, int64_t,
-    cudaStream_t) {
+    int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor*, int64_t*, int64_t*, int64_t*, double*, bool*,
+    unsigned long long*, int64_t, cudaStream_t) {
   TORCH_INTERNAL_ASSERT(false, "detops.nms: float64 scores are ranked by torch's sort");
+}
+
+// Batched NMS counts up to this many boxes: their categories and keys, 12 bytes a box, in the
+// block's shared memory beside 2 KiB of partial counts (8192 from 100 KiB per block on).
+int64_t max_count_rank_batched(const cudaDeviceProp* props) {
+  const int64_t fit = (static_cast<int64_t>(props->sharedMemPerBlockOptin) - 4096) / 12 / 32 * 32;
+  return std::min<int64_t>(kMaxCountRank, fit);
 }
 
 template <bool kBatched>
@@ -681,22 +753,22 @@ at::Tensor nms_cuda_impl(
   const bool batched = idxs != nullptr;
 
   // Small inputs whose scores have float precision or less are ranked by counting.
-  const bool count_rank = !batched && n <= kMaxCountRank && scores.scalar_type() == boxes.scalar_type() &&
-                          boxes.scalar_type() != at::kDouble;
+  const bool count_rank = n <= (batched ? max_count_rank_batched(props) : kMaxCountRank) &&
+                          scores.scalar_type() == boxes.scalar_type() && boxes.scalar_type() != at::kDouble;
 
   at::Tensor order;     // rank -> original index (torch's sort)
-  at::Tensor rank;      // position -> rank (undefined: the same)
+  at::Tensor rank;      // position -> rank (batched NMS, torch's sort)
   at::Tensor cls_sorted;
   const int64_t tiles = (n + kTile - 1) / kTile;
   const int64_t summary_size = summary_words(n);
   const int64_t acc_size = boxes.scalar_type() == at::kDouble ? 8 : 4;
   // One scratch allocation: mask, row summaries, `kept` and `decided` words (one per tile
-  // each; batched NMS also kept ranks), ranked order (counting rank), ranked boxes (aligned
-  // for vector loads) and the valid flags.
+  // each; batched NMS also kept ranks), the counting rank's order (batched NMS: also rank and
+  // cls_sorted), ranked boxes (aligned for vector loads) and the valid flags.
   const int64_t off_summary = mask_words(n);
   const int64_t off_flags = off_summary + summary_size;
   const int64_t off_order = off_flags + (batched ? 3 : 2) * tiles;
-  const int64_t off_boxes = cuda::round_up(off_order + (count_rank ? n : 0), 4);  // 32-byte aligned
+  const int64_t off_boxes = cuda::round_up(off_order + (count_rank ? (batched ? 3 : 1) * n : 0), 4);  // 32-byte aligned
   const int64_t off_valid = off_boxes + cuda::ceil_div(4 * n * acc_size, 8);
   const int64_t scratch_size = off_valid + cuda::ceil_div(n, 8);
   at::Tensor scratch = at::empty({scratch_size}, long_opts);
@@ -708,13 +780,20 @@ at::Tensor nms_cuda_impl(
   auto* kept_ranks = batched ? reinterpret_cast<unsigned long long*>(base + off_flags + 2 * tiles) : nullptr;
   bool* valid_mut = reinterpret_cast<bool*>(base + off_valid);
   const int64_t* order_ptr = base + off_order;
+  const int64_t* rank_ptr = nullptr;  // position -> rank (batched NMS)
+  const int64_t* cls_ptr = nullptr;   // position -> category (batched NMS)
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, boxes.scalar_type(), "detops.nms", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     auto* sorted_boxes = reinterpret_cast<acc_t*>(base + off_boxes);
     if (count_rank) {
       launch_count_rank<scalar_t>(
-          n, scores, boxes, base + off_order, sorted_boxes, valid_mut, summary_ptr, summary_size, stream);
+          n, scores, boxes, idxs, base + off_order, base + off_order + n, base + off_order + 2 * n, sorted_boxes,
+          valid_mut, summary_ptr, summary_size, stream);
+      if (batched) {
+        rank_ptr = base + off_order + n;
+        cls_ptr = base + off_order + 2 * n;
+      }
     } else {
       auto sorted_scores = scores.sort(/*stable=*/true, 0, /*descending=*/true);
       order = std::get<1>(sorted_scores);
@@ -727,6 +806,8 @@ at::Tensor nms_cuda_impl(
         cls_sorted = std::get<0>(by_class).contiguous();
         rank = std::get<1>(by_class).contiguous();
         pos_orig = order.index_select(0, rank);
+        rank_ptr = rank.const_data_ptr<int64_t>();
+        cls_ptr = cls_sorted.const_data_ptr<int64_t>();
       }
       nms_prepare_kernel<scalar_t, acc_t><<<cuda::grid_for(std::max(n, summary_size), kPrepareThreads), kPrepareThreads, 0, stream>>>(
           n, boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1),
@@ -744,7 +825,7 @@ at::Tensor nms_cuda_impl(
     const auto* boxes4 = reinterpret_cast<const Box4<acc_t>*>(sorted_boxes);
     if (batched) {
       nms_mask_kernel<acc_t, true><<<mask_grid, kTile, 0, stream>>>(
-          n, boxes4, cls_sorted.const_data_ptr<int64_t>(), thr, mask_ptr, summary_ptr);
+          n, boxes4, cls_ptr, thr, mask_ptr, summary_ptr);
     } else {
       nms_mask_kernel<acc_t, false><<<mask_grid, kTile, 0, stream>>>(n, boxes4, nullptr, thr, mask_ptr, summary_ptr);
     }
@@ -755,7 +836,6 @@ at::Tensor nms_cuda_impl(
   at::Tensor result = at::empty({n + 1}, long_opts);
   int64_t* out = result.data_ptr<int64_t>();
   int64_t* count = out + n;
-  const int64_t* rank_ptr = rank.defined() ? rank.const_data_ptr<int64_t>() : nullptr;
   const uint64_t* mask_cptr = mask_ptr;
   const unsigned long long* summary_cptr = summary_ptr;
   const bool* valid_ptr = valid_mut;
