@@ -248,6 +248,27 @@ def test_cuda_agrees_with_cpu(dtype, kind):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("n", [31, 33, 1000, 8192, 8193])
+def test_cuda_around_the_counting_rank_limit(n):
+    # Up to 8192 boxes per image, with scores of the boxes' dtype, each image is ranked by
+    # counting the boxes ahead of each; above that, or with scores of another dtype, by torch's
+    # sort. Ties, signed zeros, NaN and infinities rank alike on both paths and on the CPU.
+    boxes, scores = batch_of("random", 2, n, seed=n)
+    scores = (scores * 8).round() / 8  # many ties: equal scores keep index order
+    scores[0, ::97] = -0.0
+    scores[0, 1::97] = 0.0
+    scores[1, 2::101] = math.nan
+    scores[1, 3::103] = -math.inf
+    scores[1, 4::103] = math.inf
+    for b, s in [(boxes, scores), (boxes, scores.half()), (boxes.half(), scores.half())]:
+        for score_thr in (-math.inf, 0.25):
+            got = nms_padded(b.cuda(), s.cuda(), 0.5, score_thr, n)
+            check(got, nms_padded(b, s, 0.5, score_thr, n))
+            if n <= 1000:  # the reference takes seconds at 8192
+                check(got, ref.nms_padded(b, s, 0.5, score_thr, n))
+
+
+@pytest.mark.cuda
 def test_cuda_large_n():
     # 20k boxes per image: a 2 x 20000 x 313 x 8 byte (100 MB) mask
     boxes, scores = batch_of("random", 2, 20000, seed=9)

@@ -16,6 +16,10 @@
 //    mask words of the rows just kept into the suppression words of later tiles. It stops once
 //    max_output boxes are kept, and writes indices (positions in N), -1 padding and the count.
 //
+// Up to nms_rank::kMaxCountRank boxes per image whose scores have the boxes' dtype (float,
+// half or bfloat16), nms_padded_rank_kernel replaces steps 1-4 with one launch: it ranks each
+// image by counting (nms_rank.cuh) and writes order, the ranked boxes and nvalid.
+//
 // Memory: the mask holds B * N * ceil(N / 64) 64-bit words (B * N * ceil(N / 64) * 8 bytes:
 // 22 MB for B = 8, N = 4700; 400 MB for B = 8, N = 20000). The suppression words of one image
 // live in shared memory, which bounds N at 6144 * 64 = 393,216.
@@ -32,6 +36,7 @@
 #include "../common/box_iou.h"
 #include "../common/nms_padded_checks.h"
 #include "cuda_helpers.h"
+#include "nms_rank.cuh"
 
 namespace detops {
 namespace ops {
@@ -90,6 +95,53 @@ __global__ void nms_padded_gather_kernel(
     const box_t* src = boxes + b * stride0 + order[i] * stride1;
 #pragma unroll
     for (int c = 0; c < 4; ++c) sorted_boxes[i * 4 + c] = static_cast<acc_t>(src[c * stride2]);
+  }
+}
+
+// Steps 1-4 in one kernel, by counting: key = the score's key (nms_rank::score_key) when the
+// score is above score_threshold, else 0, so passing boxes rank first (higher scores first,
+// equal scores by index) and the others after them by index, as the sort of steps 1-2 orders
+// them. Block (b, group) ranks boxes group * 32 .. + 31 of image b and writes their order and
+// boxes; group 0 also writes nvalid[b], the number of nonzero keys.
+template <typename scalar_t>
+__global__ void __launch_bounds__(nms_rank::kRankWarps * 32) nms_padded_rank_kernel(
+    int64_t n, int64_t groups, const scalar_t* __restrict__ scores, int64_t score_stride0,
+    int64_t score_stride1, float thr, const scalar_t* __restrict__ boxes, int64_t stride0, int64_t stride1,
+    int64_t stride2, int64_t* __restrict__ order, float* __restrict__ sorted_boxes, int64_t* __restrict__ nvalid) {
+  constexpr int kWarps = nms_rank::kRankWarps;
+  __shared__ __align__(16) uint32_t keys[nms_rank::kMaxCountRank];
+  __shared__ int partial[kWarps][32];
+  __shared__ int passing[kWarps];
+  const int64_t b = blockIdx.x / groups;
+  const int group = static_cast<int>(blockIdx.x - b * groups);
+  const int count = static_cast<int>(n);
+  const int padded = (count + 31) & ~31;
+  const scalar_t* img_scores = scores + b * score_stride0;
+  int pass = 0;
+#pragma unroll 4
+  for (int j = threadIdx.x; j < padded; j += blockDim.x) {
+    const float v = j < count ? static_cast<float>(img_scores[j * score_stride1]) : 0.0f;
+    const uint32_t k = j < count && v > thr ? nms_rank::score_key(v) : 0u;  // past n: never ahead
+    keys[j] = k;
+    pass += k != 0;
+  }
+  for (int o = 16; o > 0; o >>= 1) pass += __shfl_xor_sync(0xffffffffu, pass, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) passing[warp] = pass;
+  __syncthreads();
+  const int p = nms_rank::block_count_rank(keys, padded, group, partial);
+  const int i = group * 32 + lane;
+  if (warp == 0 && i < count) {
+    order[b * n + p] = i;
+    const scalar_t* src = boxes + b * stride0 + i * stride1;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sorted_boxes[(b * n + p) * 4 + c] = static_cast<float>(src[c * stride2]);
+    if (group == 0 && lane == 0) {
+      int total = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += passing[w];
+      nvalid[b] = total;
+    }
   }
 }
 
@@ -226,6 +278,25 @@ __global__ void __launch_bounds__(kGreedyThreads) nms_padded_greedy_kernel(
   if (threadIdx.x == 0) counts[b] = total;
 }
 
+template <typename scalar_t>
+void launch_rank(
+    const at::Tensor& boxes, const at::Tensor& scores, double score_threshold, int64_t groups, at::Tensor& order,
+    at::Tensor& sorted_boxes, at::Tensor& nvalid, cudaStream_t stream) {
+  const int64_t batch = boxes.size(0), n = boxes.size(1);
+  nms_padded_rank_kernel<scalar_t><<<static_cast<unsigned>(batch * groups), nms_rank::kRankWarps * 32, 0, stream>>>(
+      n, groups, scores.const_data_ptr<scalar_t>(), scores.stride(0), scores.stride(1),
+      geometry::iou_threshold_as<float>(score_threshold), boxes.const_data_ptr<scalar_t>(), boxes.stride(0),
+      boxes.stride(1), boxes.stride(2), order.data_ptr<int64_t>(), sorted_boxes.data_ptr<float>(),
+      nvalid.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <>
+void launch_rank<double>(
+    const at::Tensor&, const at::Tensor&, double, int64_t, at::Tensor&, at::Tensor&, at::Tensor&, cudaStream_t) {
+  TORCH_INTERNAL_ASSERT(false, "detops.nms_padded: float64 scores are ranked by torch's sort");
+}
+
 std::tuple<at::Tensor, at::Tensor> nms_padded_cuda(
     const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold,
     double score_threshold, int64_t max_output) {
@@ -256,31 +327,39 @@ std::tuple<at::Tensor, at::Tensor> nms_padded_cuda(
       ": too many images for one launch, got boxes ", checks::shape_str(boxes));
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const at::ScalarType key_type = scores.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor key = at::empty({batch, n}, scores.options().dtype(key_type));
-  const unsigned prep_grid = cuda::grid_for(batch * n, kPrepareThreads);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), kOp, [&] {
-    using key_t = at::opmath_type<scalar_t>;
-    nms_padded_key_kernel<scalar_t, key_t><<<prep_grid, kPrepareThreads, 0, stream>>>(
-        batch, n, scores.const_data_ptr<scalar_t>(), scores.stride(0), scores.stride(1),
-        geometry::iou_threshold_as<key_t>(score_threshold),
-        -std::numeric_limits<key_t>::infinity(), key.data_ptr<key_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-
-  // Stable, descending, per row: ties keep their original order (torch's sort runs on the
-  // current stream and does not synchronize).
-  auto sorted = key.sort(/*stable=*/true, /*dim=*/1, /*descending=*/true);
-  const at::Tensor sorted_key = std::get<0>(sorted).contiguous();
-  const at::Tensor order = std::get<1>(sorted).contiguous();
-
+  const int64_t groups = cuda::ceil_div(n, 32);
+  const bool count_rank = n <= nms_rank::kMaxCountRank && scores.scalar_type() == boxes.scalar_type() &&
+                          scores.scalar_type() != at::kDouble &&
+                          batch <= std::numeric_limits<int32_t>::max() / groups;
+  at::Tensor order;  // [B, N]: position in N of rank p
   at::Tensor nvalid = at::empty({batch}, long_opts);
-  AT_DISPATCH_FLOATING_TYPES(key_type, kOp, [&] {
-    nms_padded_count_kernel<scalar_t><<<prep_grid, kPrepareThreads, 0, stream>>>(
-        batch, n, sorted_key.const_data_ptr<scalar_t>(), -std::numeric_limits<scalar_t>::infinity(),
-        nvalid.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  if (!count_rank) {
+    const at::ScalarType key_type = scores.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    at::Tensor key = at::empty({batch, n}, scores.options().dtype(key_type));
+    const unsigned prep_grid = cuda::grid_for(batch * n, kPrepareThreads);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), kOp, [&] {
+      using key_t = at::opmath_type<scalar_t>;
+      nms_padded_key_kernel<scalar_t, key_t><<<prep_grid, kPrepareThreads, 0, stream>>>(
+          batch, n, scores.const_data_ptr<scalar_t>(), scores.stride(0), scores.stride(1),
+          geometry::iou_threshold_as<key_t>(score_threshold),
+          -std::numeric_limits<key_t>::infinity(), key.data_ptr<key_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+
+    // Stable, descending, per row: ties keep their original order (torch's sort runs on the
+    // current stream and does not synchronize).
+    auto sorted = key.sort(/*stable=*/true, /*dim=*/1, /*descending=*/true);
+    const at::Tensor sorted_key = std::get<0>(sorted).contiguous();
+    order = std::get<1>(sorted).contiguous();
+    AT_DISPATCH_FLOATING_TYPES(key_type, kOp, [&] {
+      nms_padded_count_kernel<scalar_t><<<prep_grid, kPrepareThreads, 0, stream>>>(
+          batch, n, sorted_key.const_data_ptr<scalar_t>(), -std::numeric_limits<scalar_t>::infinity(),
+          nvalid.data_ptr<int64_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  } else {
+    order = at::empty({batch, n}, long_opts);
+  }
 
   at::Tensor mask = at::empty({batch * words_per_image}, long_opts);
   auto* mask_ptr = reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>());
@@ -288,10 +367,14 @@ std::tuple<at::Tensor, at::Tensor> nms_padded_cuda(
     using acc_t = at::opmath_type<scalar_t>;
     at::Tensor sorted_boxes =
         at::empty({batch, n, 4}, boxes.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    nms_padded_gather_kernel<scalar_t, acc_t><<<prep_grid, kPrepareThreads, 0, stream>>>(
-        batch, n, boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1),
-        boxes.stride(2), order.const_data_ptr<int64_t>(), sorted_boxes.data_ptr<acc_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (count_rank) {
+      launch_rank<scalar_t>(boxes, scores, score_threshold, groups, order, sorted_boxes, nvalid, stream);
+    } else {
+      nms_padded_gather_kernel<scalar_t, acc_t><<<cuda::grid_for(batch * n, kPrepareThreads), kPrepareThreads, 0, stream>>>(
+          batch, n, boxes.const_data_ptr<scalar_t>(), boxes.stride(0), boxes.stride(1),
+          boxes.stride(2), order.const_data_ptr<int64_t>(), sorted_boxes.data_ptr<acc_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     const dim3 grid(static_cast<unsigned>(batch * col_blocks), static_cast<unsigned>(col_blocks));
     nms_padded_mask_kernel<acc_t><<<grid, kTile, 0, stream>>>(
         n, col_blocks, sorted_boxes.const_data_ptr<acc_t>(), nvalid.const_data_ptr<int64_t>(),
