@@ -787,13 +787,13 @@ at::Tensor nms_cuda_impl(
     using acc_t = at::opmath_type<scalar_t>;
     auto* sorted_boxes = reinterpret_cast<acc_t*>(base + off_boxes);
     if (count_rank) {
+      int64_t* const counted_rank = batched ? base + off_order + n : nullptr;
+      int64_t* const counted_cls = batched ? base + off_order + 2 * n : nullptr;
       launch_count_rank<scalar_t>(
-          n, scores, boxes, idxs, base + off_order, base + off_order + n, base + off_order + 2 * n, sorted_boxes,
-          valid_mut, summary_ptr, summary_size, stream);
-      if (batched) {
-        rank_ptr = base + off_order + n;
-        cls_ptr = base + off_order + 2 * n;
-      }
+          n, scores, boxes, idxs, base + off_order, counted_rank, counted_cls, sorted_boxes, valid_mut, summary_ptr,
+          summary_size, stream);
+      rank_ptr = counted_rank;
+      cls_ptr = counted_cls;
     } else {
       auto sorted_scores = scores.sort(/*stable=*/true, 0, /*descending=*/true);
       order = std::get<1>(sorted_scores);
