@@ -827,9 +827,8 @@ def test_cpu_backward_writes_every_element(dtype, threads):
 
 
 def test_cpu_backward_huge_adaptive_grid_matches_torchvision():
-    # a 1200-pixel RoI with an adaptive grid has 172 x 172 samples per bin: its sample table
-    # (about 70 MB) is past the size the backward shares between tasks, so each task builds the
-    # tables it needs; the result is the same
+    # a 1200-pixel RoI with an adaptive grid has 172 x 172 samples per bin, most of them off
+    # the map
     x = torch.randn(1, 2, 16, 16, dtype=torch.float64, requires_grad=True)
     rois = torch.tensor([[0.0, -600.0, -590.0, 600.0, 610.0], [0.0, 1.0, 2.0, 13.0, 11.0]], dtype=torch.float64)
     grad = torch.randn(2, 2, 7, 7, dtype=torch.float64)
@@ -837,3 +836,26 @@ def test_cpu_backward_huge_adaptive_grid_matches_torchvision():
     xt = x.detach().clone().requires_grad_()
     torchvision.ops.roi_align(xt, rois, 7, 1.0, 0, True).backward(grad)
     torch.testing.assert_close(x.grad, xt.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_sample_tables_past_the_shared_size_match_torchvision(threads):
+    # one RoI pooled to 1 x 2.2M bins: its sample table (one entry per bin column, about 70 MB
+    # in float64) is past the size that the forward and backward build once and share between
+    # tasks, so each task builds the tables it needs; the results are torchvision's
+    pw = 2_200_000
+    x = torch.randn(1, 3, 4, 8, dtype=torch.float64, requires_grad=True)
+    rois = torch.tensor([[0.0, 0.5, 0.25, 7.0, 3.5]], dtype=torch.float64)
+    grad = torch.randn(1, 3, 1, pw, dtype=torch.float64)
+    xt = x.detach().clone().requires_grad_()
+    want = torchvision.ops.roi_align(xt, rois, (1, pw), 1.0, 1, True)
+    want.backward(grad)
+
+    def run():
+        out = roi_align(x, rois, (1, pw), 1.0, 1, True)
+        out.backward(grad)
+        return out
+
+    out = _with_threads(threads, run)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, xt.grad, rtol=1e-10, atol=1e-9)

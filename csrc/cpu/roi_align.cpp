@@ -6,7 +6,9 @@
 //   forward:  parallel over (RoI, channel block) items, outputs disjoint. NCHW input reads
 //             kChannelBlock planes per item; channels_last input is read in place, the
 //             channels of a pixel being contiguous, so the inner loop is a vector loop over
-//             channels.
+//             channels. The RoIs' tables are built once up front and shared by every task.
+//             For NCHW input the items run RoI fastest within an image and channel block, so
+//             a task reads the planes of one or a few blocks, which stay in its core's cache.
 //   backward: parallel over (image, channel) planes of grad_input; each plane is owned by one
 //             task, which adds the RoIs of that image in index order (bins, samples and the
 //             four corners in a fixed order), so there are no races and the result does not
@@ -35,49 +37,129 @@ namespace {
 constexpr const char* kForwardOp = "detops.roi_align";
 constexpr const char* kBackwardOp = "detops._roi_align_backward";
 
-// A sample that reads the map: offsets of its four pixels in one H x W plane, and weights.
+// One coordinate of a sample along one axis, when it reads the map: the offsets of the two
+// pixel rows (or columns) it reads, and their weights.
 template <typename T>
-struct PlaneSample {
-  int64_t o1, o2, o3, o4;
-  T w1, w2, w3, w4;
+struct AxisSample {
+  int64_t lo, hi;  // row (column) index times the axis' stride
+  T h, l;          // weights of lo and hi: l is the fraction past lo, h = 1 - l
 };
 
-// The samples of one RoI that read the map, bin by bin: those of bin i are
-// samples[bin_start[i], bin_start[i + 1]). Pixel (y, x) is at offset (y * width + x) * stride
-// (stride 1 for an H x W plane, C for a channels_last image). Returns the divisor of a bin.
+// The samples of one RoI. Sample (iy, ix) of bin (ph, pw) lies at the row coordinate of
+// (ph, iy) and the column coordinate of (pw, ix), and it reads the map when both lie in their
+// band (bilinear_sample's rule is one test per axis), so a table per axis holds them all: the
+// rows of bin row ph that read the map are rows[row_start[ph], row_start[ph + 1]), likewise
+// the columns. A bin's samples are the product, rows outer, each with the four pixels and
+// weights bilinear_sample gives it. Pixel (y, x) is at offset (y * width + x) * stride (1 for
+// an H x W plane, C for a channels_last image).
 template <typename T>
-T collect_samples(
-    const T* roi, T spatial_scale, int64_t pooled_height, int64_t pooled_width,
-    int64_t sampling_ratio, bool aligned, int64_t height, int64_t width,
-    std::vector<PlaneSample<T>>& samples, std::vector<int64_t>& bin_start, int64_t stride = 1) {
-  const roi_align::RoIBins<T> r = roi_align::roi_bins<T>(
-      roi[1], roi[2], roi[3], roi[4], spatial_scale, pooled_height, pooled_width,
-      sampling_ratio, aligned);
-  samples.clear();
-  bin_start.assign(1, 0);
-  roi_align::BilinearSample<T> s;
-  for (int64_t ph = 0; ph < pooled_height; ++ph) {
-    for (int64_t pw = 0; pw < pooled_width; ++pw) {
-      for (int64_t iy = 0; iy < r.grid_h; ++iy) {
-        const T y = roi_align::sample_coord(r.start_h, r.bin_h, ph, iy, r.grid_h);
-        for (int64_t ix = 0; ix < r.grid_w; ++ix) {
-          const T x = roi_align::sample_coord(r.start_w, r.bin_w, pw, ix, r.grid_w);
-          if (!roi_align::bilinear_sample(y, x, height, width, s)) continue;
-          samples.push_back(PlaneSample<T>{
-              (s.y_low * width + s.x_low) * stride, (s.y_low * width + s.x_high) * stride,
-              (s.y_high * width + s.x_low) * stride, (s.y_high * width + s.x_high) * stride,
-              s.w1, s.w2, s.w3, s.w4});
-        }
+struct RoITable {
+  std::vector<AxisSample<T>> rows, cols;
+  std::vector<int64_t> row_start, col_start;
+  T count = T(1);  // the divisor of a bin
+
+  void build(
+      const T* roi, T spatial_scale, int64_t pooled_height, int64_t pooled_width,
+      int64_t sampling_ratio, bool aligned, int64_t height, int64_t width, int64_t stride) {
+    const roi_align::RoIBins<T> r = roi_align::roi_bins<T>(
+        roi[1], roi[2], roi[3], roi[4], spatial_scale, pooled_height, pooled_width,
+        sampling_ratio, aligned);
+    count = r.count;
+    axis(r.start_h, r.bin_h, pooled_height, r.grid_h, height, width * stride, rows, row_start);
+    axis(r.start_w, r.bin_w, pooled_width, r.grid_w, width, stride, cols, col_start);
+  }
+
+  // Calls f(o1, o2, o3, o4, w1, w2, w3, w4) for each sample of bin (ph, pw) that reads the
+  // map, in bilinear_sample's order of pixels: (lo, lo), (lo, hi), (hi, lo), (hi, hi).
+  template <typename F>
+  void for_each_sample(int64_t ph, int64_t pw, F&& f) const {
+    const AxisSample<T>* const y_end = rows.data() + row_start[ph + 1];
+    const AxisSample<T>* const x_begin = cols.data() + col_start[pw];
+    const AxisSample<T>* const x_end = cols.data() + col_start[pw + 1];
+    for (const AxisSample<T>* y = rows.data() + row_start[ph]; y < y_end; ++y) {
+      const int64_t ylo = y->lo, yhi = y->hi;
+      const T yh = y->h, yl = y->l;
+      for (const AxisSample<T>* x = x_begin; x < x_end; ++x) {
+        const int64_t xlo = x->lo, xhi = x->hi;
+        const T xh = x->h, xl = x->l;
+        f(ylo + xlo, ylo + xhi, yhi + xlo, yhi + xhi, yh * xh, yh * xl, yl * xh, yl * xl);
       }
-      bin_start.push_back(static_cast<int64_t>(samples.size()));
     }
   }
-  return r.count;
+
+  // Bytes of the table of a RoI with these bins.
+  static double bytes(const roi_align::RoIBins<T>& r, int64_t pooled_height, int64_t pooled_width) {
+    return static_cast<double>(pooled_height * r.grid_h + pooled_width * r.grid_w) *
+        sizeof(AxisSample<T>);
+  }
+
+ private:
+  static void axis(
+      T start, T bin, int64_t pooled, int64_t grid, int64_t size, int64_t stride,
+      std::vector<AxisSample<T>>& out, std::vector<int64_t>& out_start) {
+    out.clear();
+    out_start.assign(1, 0);
+    for (int64_t p = 0; p < pooled; ++p) {
+      for (int64_t i = 0; i < grid; ++i) {
+        const T v = roi_align::sample_coord(start, bin, p, i, grid);
+        // bilinear_sample's test for this axis, NaN failing it; an empty axis reads nothing
+        if (!(v >= T(-1) && v <= static_cast<T>(size)) || size <= 0) continue;
+        int64_t lo, hi;
+        T l;
+        roi_align::axis_weights(v, size, lo, hi, l);
+        out.push_back(AxisSample<T>{lo * stride, hi * stride, T(1) - l, l});
+      }
+      out_start.push_back(static_cast<int64_t>(out.size()));
+    }
+  }
+};
+
+// The tables of all RoIs are built once and shared between tasks up to this many bytes (an
+// adaptive sampling grid on RoIs far larger than the map can make them large).
+constexpr double kSharedTableBytes = 64.0 * (1 << 20);
+
+// The tables of all num_rois RoIs (rois is [K, 5]), built in parallel, or none (an empty
+// vector) when together they would exceed kSharedTableBytes.
+template <typename T>
+std::vector<RoITable<T>> shared_tables(
+    const T* rois, int64_t num_rois, T spatial_scale, int64_t pooled_height,
+    int64_t pooled_width, int64_t sampling_ratio, bool aligned, int64_t height, int64_t width,
+    int64_t stride) {
+  double bytes = 0;
+  for (int64_t k = 0; k < num_rois; ++k) {
+    const T* roi = rois + k * 5;
+    bytes += RoITable<T>::bytes(
+        roi_align::roi_bins<T>(
+            roi[1], roi[2], roi[3], roi[4], spatial_scale, pooled_height, pooled_width,
+            sampling_ratio, aligned),
+        pooled_height, pooled_width);
+  }
+  std::vector<RoITable<T>> tables;
+  if (bytes > kSharedTableBytes) return tables;
+  tables.resize(num_rois);
+  at::parallel_for(0, num_rois, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      tables[k].build(
+          rois + k * 5, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,
+          height, width, stride);
+    }
+  });
+  return tables;
 }
 
-// The backward shares the sample tables of all RoIs between its tasks up to this many bytes
-// (an adaptive sampling grid on large RoIs can make the tables larger than the map).
-constexpr double kSharedTableBytes = 64.0 * (1 << 20);
+// RoI indices grouped by image, each group in index order (a counting sort): the RoIs of
+// image b are order[first[b], first[b + 1]).
+template <typename T>
+void group_by_image(
+    const T* rois, int64_t num_rois, int64_t batch, std::vector<int64_t>& first,
+    std::vector<int64_t>& order) {
+  first.assign(batch + 1, 0);
+  order.resize(num_rois);
+  for (int64_t k = 0; k < num_rois; ++k) ++first[static_cast<int64_t>(rois[k * 5]) + 1];
+  for (int64_t b = 0; b < batch; ++b) first[b + 1] += first[b];
+  std::vector<int64_t> fill(first.begin(), first.end() - 1);
+  for (int64_t k = 0; k < num_rois; ++k) order[fill[static_cast<int64_t>(rois[k * 5])]++] = k;
+}
 
 // rois as a contiguous [K, 5] tensor of the accumulation type, every batch index checked.
 template <typename acc_t>
@@ -101,21 +183,26 @@ constexpr int64_t kChannelsLastBlock = 32;
 // out_c[c * bins + i]. kFixed > 0 makes nc a compile-time constant (a full block).
 template <int64_t kFixed, typename scalar_t, typename acc_t>
 inline void forward_planes(
-    const scalar_t* const* planes, int64_t nc_runtime, const std::vector<PlaneSample<acc_t>>& samples,
-    const std::vector<int64_t>& bin_start, int64_t bins, acc_t count, scalar_t* out_c) {
+    const scalar_t* const* planes, int64_t nc_runtime, const RoITable<acc_t>& t,
+    int64_t pooled_height, int64_t pooled_width, scalar_t* out_c) {
   const int64_t nc = kFixed > 0 ? kFixed : nc_runtime;
-  for (int64_t i = 0; i < bins; ++i) {
-    acc_t sum[kChannelBlock];
-    for (int64_t c = 0; c < nc; ++c) sum[c] = 0;
-    for (int64_t j = bin_start[i]; j < bin_start[i + 1]; ++j) {
-      const PlaneSample<acc_t> s = samples[j];
+  const int64_t bins = pooled_height * pooled_width;
+  for (int64_t ph = 0, i = 0; ph < pooled_height; ++ph) {
+    for (int64_t pw = 0; pw < pooled_width; ++pw, ++i) {
+      acc_t sum[kChannelBlock];
+      for (int64_t c = 0; c < nc; ++c) sum[c] = 0;
+      t.for_each_sample(ph, pw, [&](int64_t o1, int64_t o2, int64_t o3, int64_t o4, acc_t w1,
+                                    acc_t w2, acc_t w3, acc_t w4) {
+        for (int64_t c = 0; c < nc; ++c) {
+          const scalar_t* p = planes[c];
+          sum[c] += w1 * static_cast<acc_t>(p[o1]) + w2 * static_cast<acc_t>(p[o2]) +
+              w3 * static_cast<acc_t>(p[o3]) + w4 * static_cast<acc_t>(p[o4]);
+        }
+      });
       for (int64_t c = 0; c < nc; ++c) {
-        const scalar_t* p = planes[c];
-        sum[c] += s.w1 * static_cast<acc_t>(p[s.o1]) + s.w2 * static_cast<acc_t>(p[s.o2]) +
-            s.w3 * static_cast<acc_t>(p[s.o3]) + s.w4 * static_cast<acc_t>(p[s.o4]);
+        out_c[c * bins + i] = static_cast<scalar_t>(sum[c] / t.count);
       }
     }
-    for (int64_t c = 0; c < nc; ++c) out_c[c * bins + i] = static_cast<scalar_t>(sum[c] / count);
   }
 }
 
@@ -123,23 +210,29 @@ inline void forward_planes(
 // of the RoI's image, sample offsets are pixel * C.
 template <typename scalar_t, typename acc_t>
 inline void forward_channels_last(
-    const scalar_t* image, int64_t nc, const std::vector<PlaneSample<acc_t>>& samples,
-    const std::vector<int64_t>& bin_start, int64_t bins, acc_t count, scalar_t* out_c) {
-  for (int64_t i = 0; i < bins; ++i) {
-    acc_t sum[kChannelsLastBlock];
-    for (int64_t c = 0; c < nc; ++c) sum[c] = 0;
-    for (int64_t j = bin_start[i]; j < bin_start[i + 1]; ++j) {
-      const PlaneSample<acc_t> s = samples[j];
-      const scalar_t* q1 = image + s.o1;
-      const scalar_t* q2 = image + s.o2;
-      const scalar_t* q3 = image + s.o3;
-      const scalar_t* q4 = image + s.o4;
+    const scalar_t* image, int64_t nc, const RoITable<acc_t>& t, int64_t pooled_height,
+    int64_t pooled_width, scalar_t* out_c) {
+  const int64_t bins = pooled_height * pooled_width;
+  for (int64_t ph = 0, i = 0; ph < pooled_height; ++ph) {
+    for (int64_t pw = 0; pw < pooled_width; ++pw, ++i) {
+      acc_t sum[kChannelsLastBlock];
+      for (int64_t c = 0; c < nc; ++c) sum[c] = 0;
+      const auto add = [&sum, image, nc](int64_t o1, int64_t o2, int64_t o3, int64_t o4,
+                                         acc_t w1, acc_t w2, acc_t w3, acc_t w4) {
+        const scalar_t* q1 = image + o1;
+        const scalar_t* q2 = image + o2;
+        const scalar_t* q3 = image + o3;
+        const scalar_t* q4 = image + o4;
+        for (int64_t c = 0; c < nc; ++c) {
+          sum[c] += w1 * static_cast<acc_t>(q1[c]) + w2 * static_cast<acc_t>(q2[c]) +
+              w3 * static_cast<acc_t>(q3[c]) + w4 * static_cast<acc_t>(q4[c]);
+        }
+      };
+      t.for_each_sample(ph, pw, add);
       for (int64_t c = 0; c < nc; ++c) {
-        sum[c] += s.w1 * static_cast<acc_t>(q1[c]) + s.w2 * static_cast<acc_t>(q2[c]) +
-            s.w3 * static_cast<acc_t>(q3[c]) + s.w4 * static_cast<acc_t>(q4[c]);
+        out_c[c * bins + i] = static_cast<scalar_t>(sum[c] / t.count);
       }
     }
-    for (int64_t c = 0; c < nc; ++c) out_c[c * bins + i] = static_cast<scalar_t>(sum[c] / count);
   }
 }
 
@@ -166,37 +259,59 @@ void forward_typed(
   const int64_t block = nhwc ? kChannelsLastBlock : kChannelBlock;
   const int64_t blocks = (channels + block - 1) / block;
 
-  // One item is (RoI k, channel block); items of one RoI are adjacent, so a task that holds
-  // several reuses the RoI's sample table.
+  const int64_t stride = nhwc ? channels : 1;
+  const std::vector<RoITable<acc_t>> tables = shared_tables(
+      roi_ptr, num_rois, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
+      width, stride);
+  // NCHW input with shared tables: the items of image b are (channel block, RoI of b), RoI
+  // fastest, so a task's range of items reads the planes of one or a few channel blocks,
+  // which stay in its core's cache. Otherwise an item is (RoI, channel block), channel block
+  // fastest: channels_last input reads a pixel's channels together, and a task that builds
+  // its own tables builds each once.
+  const bool by_block = !nhwc && !tables.empty();
+  std::vector<int64_t> first, order;
+  if (by_block) group_by_image(roi_ptr, num_rois, batch, first, order);
+
   at::parallel_for(0, num_rois * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<PlaneSample<acc_t>> samples;
-    std::vector<int64_t> bin_start;
-    int64_t cached = -1, b = 0;
-    acc_t count = 1;
+    RoITable<acc_t> own;
+    int64_t cached = -1;
+    int64_t b = 0;  // the image of the current item, by_block
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t k = item / blocks;
-      const int64_t c0 = (item - k * blocks) * block;
-      const int64_t nc = std::min(block, channels - c0);
-      if (k != cached) {
-        const acc_t* roi = roi_ptr + k * 5;
-        b = static_cast<int64_t>(roi[0]);
-        count = collect_samples(
-            roi, scale, pooled_height, pooled_width, sampling_ratio, aligned, height, width,
-            samples, bin_start, nhwc ? channels : 1);
+      int64_t k, block_index;
+      if (by_block) {
+        while (item >= first[b + 1] * blocks) ++b;
+        const int64_t n = first[b + 1] - first[b];  // > 0: the item lies in image b
+        const int64_t j = item - first[b] * blocks;
+        block_index = j / n;
+        k = order[first[b] + j % n];
+      } else {
+        k = item / blocks;
+        block_index = item - k * blocks;
+      }
+      const RoITable<acc_t>* t = &own;
+      if (!tables.empty()) {
+        t = &tables[k];
+      } else if (k != cached) {
+        own.build(
+            roi_ptr + k * 5, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
+            width, stride);
         cached = k;
       }
+      const int64_t c0 = block_index * block;
+      const int64_t nc = std::min(block, channels - c0);
+      const int64_t image = static_cast<int64_t>(roi_ptr[k * 5]);
       scalar_t* out_c = out + (k * channels + c0) * bins;
       if (nhwc) {
         forward_channels_last(
-            in + b * plane * channels + c0, nc, samples, bin_start, bins, count, out_c);
+            in + image * plane * channels + c0, nc, *t, pooled_height, pooled_width, out_c);
         continue;
       }
       const scalar_t* planes[kChannelBlock];
-      for (int64_t c = 0; c < nc; ++c) planes[c] = in + (b * channels + c0 + c) * plane;
+      for (int64_t c = 0; c < nc; ++c) planes[c] = in + (image * channels + c0 + c) * plane;
       if (nc == kChannelBlock) {
-        forward_planes<kChannelBlock>(planes, nc, samples, bin_start, bins, count, out_c);
+        forward_planes<kChannelBlock>(planes, nc, *t, pooled_height, pooled_width, out_c);
       } else {
-        forward_planes<0>(planes, nc, samples, bin_start, bins, count, out_c);
+        forward_planes<0>(planes, nc, *t, pooled_height, pooled_width, out_c);
       }
     }
   });
@@ -236,40 +351,13 @@ void backward_typed(
   const acc_t scale = static_cast<acc_t>(spatial_scale);
   const int64_t plane = height * width;
 
-  // RoIs grouped by image, each group in index order (a counting sort).
-  std::vector<int64_t> first(batch + 1, 0), order(num_rois);
-  for (int64_t k = 0; k < num_rois; ++k) ++first[static_cast<int64_t>(roi_ptr[k * 5]) + 1];
-  for (int64_t b = 0; b < batch; ++b) first[b + 1] += first[b];
-  {
-    std::vector<int64_t> fill(first.begin(), first.end() - 1);
-    for (int64_t k = 0; k < num_rois; ++k) order[fill[static_cast<int64_t>(roi_ptr[k * 5])]++] = k;
-  }
-
-  // The sample tables of all RoIs, built once in parallel and shared by every plane of their
-  // image, when they fit in kSharedTableBytes; otherwise each task builds the tables it needs.
-  struct Table {
-    std::vector<PlaneSample<acc_t>> samples;
-    std::vector<int64_t> bin_start;
-    acc_t count = acc_t(1);
-  };
-  double table_bytes = 0;
-  for (int64_t k = 0; k < num_rois; ++k) {
-    const acc_t* roi = roi_ptr + k * 5;
-    const roi_align::RoIBins<acc_t> r = roi_align::roi_bins<acc_t>(
-        roi[1], roi[2], roi[3], roi[4], scale, pooled_height, pooled_width, sampling_ratio, aligned);
-    table_bytes += static_cast<double>(r.grid_h) * r.grid_w * bins * sizeof(PlaneSample<acc_t>);
-  }
-  const bool shared_tables = table_bytes <= static_cast<double>(kSharedTableBytes);
-  std::vector<Table> tables(shared_tables ? num_rois : 0);
-  if (shared_tables) {
-    at::parallel_for(0, num_rois, 1, [&](int64_t k0, int64_t k1) {
-      for (int64_t k = k0; k < k1; ++k) {
-        tables[k].count = collect_samples(
-            roi_ptr + k * 5, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
-            width, tables[k].samples, tables[k].bin_start);
-      }
-    });
-  }
+  std::vector<int64_t> first, order;
+  group_by_image(roi_ptr, num_rois, batch, first, order);
+  // Shared by every plane of their image when they fit in kSharedTableBytes; otherwise each
+  // task builds the tables it needs.
+  const std::vector<RoITable<acc_t>> tables = shared_tables(
+      roi_ptr, num_rois, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
+      width, int64_t{1});
 
   // A few chunks of equal work per thread. Which task adds into a plane never changes the
   // order of the additions, so the chunking does not affect the result. Each task zeroes its
@@ -280,45 +368,56 @@ void backward_typed(
   const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
 
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    Table own;
-    const int64_t begin = bounds[chunk_begin], end = bounds[chunk_end];
-    std::fill(gi + begin * plane, gi + end * plane, acc_t(0));
-    for (int64_t b = begin / channels; b * channels < end; ++b) {
-      const int64_t c_begin = std::max(begin, b * channels) - b * channels;
-      const int64_t c_end = std::min(end, (b + 1) * channels) - b * channels;
+    RoITable<acc_t> own;
+    // Adds the gradients of image b's RoIs, in RoI order, to its channels [c_begin, c_end).
+    const auto add_rois = [&](int64_t b, int64_t c_begin, int64_t c_end) {
       for (int64_t r = first[b]; r < first[b + 1]; ++r) {
         const int64_t k = order[r];
-        const Table* t = &own;
-        if (shared_tables) {
+        const RoITable<acc_t>* t = &own;
+        if (!tables.empty()) {
           t = &tables[k];
         } else {
-          own.count = collect_samples(
-              roi_ptr + k * 5, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
-              width, own.samples, own.bin_start);
+          own.build(
+              roi_ptr + k * 5, scale, pooled_height, pooled_width, sampling_ratio, aligned,
+              height, width, int64_t{1});
         }
-        const std::vector<PlaneSample<acc_t>>& samples = t->samples;
-        const std::vector<int64_t>& bin_start = t->bin_start;
         const acc_t count = t->count;
         for (int64_t c0 = c_begin; c0 < c_end; c0 += kChannelBlock) {
           const int64_t nc = std::min(kChannelBlock, c_end - c0);
           acc_t* dst[kChannelBlock];
           for (int64_t c = 0; c < nc; ++c) dst[c] = gi + (b * channels + c0 + c) * plane;
           const scalar_t* gk = g + (k * channels + c0) * bins;
-          for (int64_t i = 0; i < bins; ++i) {
-            acc_t gv[kChannelBlock];
-            for (int64_t c = 0; c < nc; ++c) gv[c] = static_cast<acc_t>(gk[c * bins + i]) / count;
-            for (int64_t j = bin_start[i]; j < bin_start[i + 1]; ++j) {
-              const PlaneSample<acc_t> s = samples[j];
-              for (int64_t c = 0; c < nc; ++c) {
-                acc_t* p = dst[c];
-                p[s.o1] += s.w1 * gv[c];
-                p[s.o2] += s.w2 * gv[c];
-                p[s.o3] += s.w3 * gv[c];
-                p[s.o4] += s.w4 * gv[c];
-              }
+          for (int64_t ph = 0, i = 0; ph < pooled_height; ++ph) {
+            for (int64_t pw = 0; pw < pooled_width; ++pw, ++i) {
+              acc_t gv[kChannelBlock];
+              for (int64_t c = 0; c < nc; ++c) gv[c] = static_cast<acc_t>(gk[c * bins + i]) / count;
+              t->for_each_sample(ph, pw, [&](int64_t o1, int64_t o2, int64_t o3, int64_t o4,
+                                             acc_t w1, acc_t w2, acc_t w3, acc_t w4) {
+                for (int64_t c = 0; c < nc; ++c) {
+                  acc_t* p = dst[c];
+                  p[o1] += w1 * gv[c];
+                  p[o2] += w2 * gv[c];
+                  p[o3] += w3 * gv[c];
+                  p[o4] += w4 * gv[c];
+                }
+              });
             }
           }
         }
+      }
+    };
+    const int64_t begin = bounds[chunk_begin], end = bounds[chunk_end];
+    std::fill(gi + begin * plane, gi + end * plane, acc_t(0));
+    for (int64_t b = begin / channels; b * channels < end; ++b) {
+      const int64_t c_begin = std::max(begin, b * channels) - b * channels;
+      const int64_t c_end = std::min(end, (b + 1) * channels) - b * channels;
+      if (tables.empty()) {  // each RoI's table built once, for all the channels
+        add_rois(b, c_begin, c_end);
+        continue;
+      }
+      // one block of channels at a time, so that the planes being added to stay in cache
+      for (int64_t c0 = c_begin; c0 < c_end; c0 += kChannelBlock) {
+        add_rois(b, c0, std::min(c0 + kChannelBlock, c_end));
       }
     }
   });
