@@ -66,3 +66,13 @@ def assert_fails_device_assert(code):
     assert done.returncode != 0
     assert "assert" in done.stderr.lower(), done.stderr
     return done.stdout + done.stderr
+
+
+def with_threads(n, fn):
+    """fn() run with torch's CPU thread count set to n, then set back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)

@@ -11,7 +11,13 @@ import torchvision
 import detops  # noqa: F401  (loads the ops)
 from detops.ops import RoIAlign, roi_align
 from detops.reference.roi_align import roi_align as ref_roi_align
-from tests.conftest import DEVICES, assert_fails_device_assert, dense_rois, invalid_batch_index_code
+from tests.conftest import (
+    DEVICES,
+    assert_fails_device_assert,
+    dense_rois,
+    invalid_batch_index_code,
+    with_threads,
+)
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12)}
 # Output rounding of the low-precision dtypes, relative to the largest magnitude.
@@ -229,15 +235,6 @@ def test_backward_is_thread_count_independent():
         assert torch.equal(g, grads[0])
 
 
-def _with_threads(n, fn):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("channels", [1, 7, 8, 13, 40])
 def test_cpu_channels_last_and_threads_agree(dtype, channels):
@@ -256,7 +253,7 @@ def test_cpu_channels_last_and_threads_agree(dtype, channels):
             out = roi_align(t_, rois, (3, 4), 0.5, -1, True)
             out.backward(grad)
             return out, t_.grad
-        return _with_threads(n, f)
+        return with_threads(n, f)
 
     out, g = run(x, 1)
     for xi, n in ((x, 2), (x, 3), (x.to(memory_format=torch.channels_last), 1), (x.to(memory_format=torch.channels_last), 3)):
@@ -856,6 +853,25 @@ def test_cpu_sample_tables_past_the_shared_size_match_torchvision(threads):
         out.backward(grad)
         return out
 
-    out = _with_threads(threads, run)
+    out = with_threads(threads, run)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, xt.grad, rtol=1e-10, atol=1e-9)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_outputs_past_the_huge_page_size_match_torchvision(threads):
+    # output (9.6 MB) and grad_input (9.3 MB) are past the size from which the CPU kernels ask
+    # for transparent huge pages (8 MiB): every element is still written
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 48, 220, 220, generator=g)
+    xy = torch.rand(1024, 2, generator=g) * 200
+    rois = torch.cat([torch.zeros(1024, 1), xy, xy + 2 + torch.rand(1024, 2, generator=g) * 18], 1)
+    grad = torch.randn(1024, 48, 7, 7, generator=g)
+    x1 = x.clone().requires_grad_()
+    out = with_threads(threads, lambda: roi_align(x1, rois, 7, 1.0, 2, True))
+    with_threads(threads, lambda: out.backward(grad))
+    x2 = x.clone().requires_grad_()
+    want = torchvision.ops.roi_align(x2, rois, 7, 1.0, 2, True)
+    want.backward(grad)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-5)

@@ -28,6 +28,7 @@
 
 #include "../common/roi_align_checks.h"
 #include "../common/roi_align_geometry.h"
+#include "output_alloc.h"
 #include "plane_chunks.h"
 
 namespace detops {
@@ -323,8 +324,8 @@ at::Tensor roi_align_forward_cpu(
   checks::check_roi_align_inputs(
       kForwardOp, input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio);
   checks::check_device(kForwardOp, "input", input, at::kCPU);
-  at::Tensor output =
-      at::empty({rois.size(0), input.size(1), pooled_height, pooled_width}, input.options());
+  at::Tensor output = cpu::empty_output(
+      {rois.size(0), input.size(1), pooled_height, pooled_width}, input.options());
   if (output.numel() == 0) return output;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kForwardOp, [&] {
     forward_typed<scalar_t>(
@@ -437,7 +438,7 @@ at::Tensor roi_align_backward_cpu(
   }
   // every element is written by the kernel (its task zeroes its planes first)
   at::Tensor grad_input =
-      at::empty({batch_size, channels, height, width}, grad.options().dtype(acc_dtype));
+      cpu::empty_output({batch_size, channels, height, width}, grad.options().dtype(acc_dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), kBackwardOp, [&] {
     backward_typed<scalar_t>(
         grad, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,

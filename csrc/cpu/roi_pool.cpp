@@ -27,6 +27,7 @@
 #include "../common/checks.h"
 #include "../common/roi_pool_geometry.h"
 #include "../detops.h"
+#include "output_alloc.h"
 #include "plane_chunks.h"
 #include "roi_pool_lanes.h"
 
@@ -300,8 +301,9 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(
       "detops.roi_pool: input must have H * W < 2^31 (argmax is int32), got ",
       checks::shape_str(input));
   const int64_t k = rois_in.size(0);
-  at::Tensor output = at::empty({k, input.size(1), pooled_height, pooled_width}, input.options());
-  at::Tensor argmax = at::empty(output.sizes(), input.options().dtype(at::kInt));
+  at::Tensor output =
+      cpu::empty_output({k, input.size(1), pooled_height, pooled_width}, input.options());
+  at::Tensor argmax = cpu::empty_output(output.sizes(), input.options().dtype(at::kInt));
   if (k == 0) return {output, argmax};
   const at::Tensor rois = rois_in.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -405,7 +407,8 @@ at::Tensor roi_pool_backward_cpu(
   }
   const at::Tensor rois = rois_in.contiguous();
   const at::Tensor argmax = argmax_in.contiguous();
-  at::Tensor grad_input = at::empty({batch_size, channels, height, width}, grad.options());
+  at::Tensor grad_input =
+      cpu::empty_output({batch_size, channels, height, width}, grad.options());
   bool argmax_ok = true;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, grad.scalar_type(), "detops.roi_pool_backward", [&] {
