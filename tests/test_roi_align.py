@@ -16,6 +16,7 @@ from tests.conftest import (
     assert_fails_device_assert,
     dense_rois,
     invalid_batch_index_code,
+    large_output_case,
     with_threads,
 )
 
@@ -860,18 +861,11 @@ def test_cpu_sample_tables_past_the_shared_size_match_torchvision(threads):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_cpu_outputs_past_the_huge_page_size_match_torchvision(threads):
-    # output (9.6 MB) and grad_input (9.3 MB) are past the size from which the CPU kernels ask
-    # for transparent huge pages (8 MiB): every element is still written
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(1, 48, 220, 220, generator=g)
-    xy = torch.rand(1024, 2, generator=g) * 200
-    rois = torch.cat([torch.zeros(1024, 1), xy, xy + 2 + torch.rand(1024, 2, generator=g) * 18], 1)
-    grad = torch.randn(1024, 48, 7, 7, generator=g)
-    x1 = x.clone().requires_grad_()
-    out = with_threads(threads, lambda: roi_align(x1, rois, 7, 1.0, 2, True))
-    with_threads(threads, lambda: out.backward(grad))
-    x2 = x.clone().requires_grad_()
-    want = torchvision.ops.roi_align(x2, rois, 7, 1.0, 2, True)
-    want.backward(grad)
+    # every element of outputs the kernels ask huge pages for is still written
+    (out, grad_x), (want, want_grad) = large_output_case(
+        lambda x, rois: roi_align(x, rois, 7, 1.0, 2, True),
+        lambda x, rois: torchvision.ops.roi_align(x, rois, 7, 1.0, 2, True),
+        threads,
+    )
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_x, want_grad, rtol=1e-5, atol=1e-5)

@@ -15,6 +15,7 @@ from tests.conftest import (
     cuda_param,
     dense_rois,
     invalid_batch_index_code,
+    large_output_case,
     with_threads,
 )
 
@@ -803,18 +804,11 @@ def test_cpu_backward_writes_every_element(dtype, threads):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_cpu_outputs_past_the_huge_page_size_match_torchvision(threads):
-    # output, argmax (9.6 MB each) and grad_input (9.3 MB) are past the size from which the CPU
-    # kernels ask for transparent huge pages (8 MiB): every element is still written
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(1, 48, 220, 220, generator=g)
-    xy = torch.rand(1024, 2, generator=g) * 200
-    rois = torch.cat([torch.zeros(1024, 1), xy, xy + 2 + torch.rand(1024, 2, generator=g) * 18], 1)
-    grad = torch.randn(1024, 48, 7, 7, generator=g)
-    x1 = x.clone().requires_grad_()
-    out = with_threads(threads, lambda: roi_pool(x1, rois, 7, 1.0))
-    with_threads(threads, lambda: out.backward(grad))
-    x2 = x.clone().requires_grad_()
-    want = torchvision.ops.roi_pool(x2, rois, 7, 1.0)
-    want.backward(grad)
+    # every element of outputs (and argmax) the kernels ask huge pages for is still written
+    (out, grad_x), (want, want_grad) = large_output_case(
+        lambda x, rois: roi_pool(x, rois, 7, 1.0),
+        lambda x, rois: torchvision.ops.roi_pool(x, rois, 7, 1.0),
+        threads,
+    )
     assert torch.equal(out, want)
-    assert torch.equal(x1.grad, x2.grad)
+    assert torch.equal(grad_x, want_grad)
