@@ -1,0 +1,109 @@
+"""CPU RoI ops of one build at several thread counts, and what the machine gives independent work.
+
+    python -m benchmarks.cpu_scaling --threads 1,16 --tag NAME   # medians per case, in ms
+    python -m benchmarks.cpu_scaling --processes 1,8,16          # N one-thread processes at once
+
+The first form times detops' CPU roi_align / roi_pool on the small map of `bench_roi`
+(2x64x100x152, 256 RoIs) and on the CUDA cases' map (2x256x200x304, 1024 RoIs), 7x7 bins,
+printing one line per thread count: run it once per build, alternating builds, to compare them
+on one noisy machine. The second starts N processes together, each running the small roi_align
+forward (or `torch.sin` with --op sin) on one thread with its own data for a few seconds, and
+prints their throughput against one process: the scaling a machine gives work that shares
+nothing but its caches, memory and power, which bounds what a threaded call can reach there.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, List, Tuple
+
+import torch
+
+import detops
+from benchmarks.bench_roi import _inputs, fwd_bwd
+from benchmarks.timing import median_ms
+
+
+def cases() -> List[Tuple[str, Callable[[], object], int]]:
+    """(name, call, runs) for each timed case."""
+    x, rois = _inputs("cpu", torch.float32, 2, 64, 100, 152, 256)
+    grad = torch.randn(256, 64, 7, 7)
+    xcl = x.contiguous(memory_format=torch.channels_last)
+    big_x, big_rois = _inputs("cpu", torch.float32, 2, 256, 200, 304, 1024)
+    big_grad = torch.randn(1024, 256, 7, 7)
+    align = lambda a, r: detops.ops.roi_align(a, r, 7, 0.25, 2, True)  # noqa: E731
+    backward = torch.ops.detops._roi_align_backward
+    return [
+        ("fwd", lambda: align(x, rois), 20),
+        ("bwd", lambda: backward(grad, rois, 0.25, 7, 7, 2, 64, 100, 152, 2, True), 20),
+        ("fwd+bwd", lambda: fwd_bwd(align, x, rois, grad), 20),
+        ("fwd_cl", lambda: align(xcl, rois), 20),
+        ("large_fwd", lambda: align(big_x, big_rois), 5),
+        ("large_bwd", lambda: backward(big_grad, big_rois, 0.25, 7, 7, 2, 256, 200, 304, 2, True), 5),
+        ("large_pool_fwd", lambda: detops.ops.roi_pool(big_x, big_rois, 7, 0.25), 5),
+    ]
+
+
+def time_threads(tag: str, threads: List[int]) -> None:
+    timed = cases()
+    for n in threads:
+        torch.set_num_threads(n)
+        medians = " ".join(f"{name}:{median_ms(fn, 'cpu', runs=runs, warmup=4):.2f}" for name, fn, runs in timed)
+        print(f"{tag} t={n:2d} {medians}", flush=True)
+
+
+_WORKER = r"""
+import sys, time, statistics, torch, detops
+from benchmarks.bench_roi import _inputs
+torch.set_num_threads(1)
+if sys.argv[1] == "sin":
+    a = torch.randn(1 << 18)
+    fn = lambda: torch.sin(a, out=a)
+else:
+    x, rois = _inputs("cpu", torch.float32, 2, 64, 100, 152, 256)
+    fn = lambda: detops.ops.roi_align(x, rois, 7, 0.25, 2, True)
+for _ in range(5):
+    fn()
+start = float(sys.argv[2])
+while time.time() < start:
+    pass
+times = []
+while time.time() < start + float(sys.argv[3]):
+    t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
+print(statistics.median(times) * 1e3)
+"""
+
+
+def processes(op: str, counts: List[int], seconds: float) -> None:
+    base = None  # the first count's median per call
+    for n in counts:
+        start = time.time() + 5 + 0.5 * n  # every process has loaded and warmed up by then
+        procs = [
+            subprocess.Popen([sys.executable, "-c", _WORKER, op, str(start), str(seconds)], stdout=subprocess.PIPE, text=True)
+            for _ in range(n)
+        ]
+        per_call = [float(p.communicate()[0].split()[-1]) for p in procs]
+        median = statistics.median(per_call)
+        base = base or median
+        print(
+            f"{op}: {n:2d} processes, median per call {median:.3f} ms ({min(per_call):.3f}-{max(per_call):.3f}); "
+            f"throughput {n * base / (median * counts[0]):.2f}x that of {counts[0]}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", default="1,16", help="thread counts to time the cases at")
+    p.add_argument("--tag", default=detops.__file__.rsplit("/", 2)[-2], help="label of the output lines")
+    p.add_argument("--processes", help="process counts, e.g. 1,8,16 (the first is the baseline)")
+    p.add_argument("--op", choices=["roi_align", "sin"], default="roi_align")
+    p.add_argument("--seconds", type=float, default=4.0)
+    a = p.parse_args()
+    if a.processes:
+        processes(a.op, [int(v) for v in a.processes.split(",")], a.seconds)
+    else:
+        time_threads(a.tag, [int(v) for v in a.threads.split(",")])
