@@ -8,6 +8,20 @@
 namespace detops {
 namespace cpu {
 
+// RoI indices grouped by image, each group in RoI order (a stable counting sort): the RoIs of
+// image b are order[first[b], first[b + 1]). image_of(k) is RoI k's image, in [0, batch).
+template <typename ImageOf>
+void group_rois_by_image(
+    int64_t num_rois, int64_t batch, ImageOf image_of, std::vector<int64_t>& first,
+    std::vector<int64_t>& order) {
+  first.assign(batch + 1, 0);
+  order.resize(num_rois);
+  for (int64_t k = 0; k < num_rois; ++k) ++first[image_of(k) + 1];
+  for (int64_t b = 0; b < batch; ++b) first[b + 1] += first[b];
+  std::vector<int64_t> fill(first.begin(), first.end() - 1);
+  for (int64_t k = 0; k < num_rois; ++k) order[fill[image_of(k)]++] = k;
+}
+
 // Splits the planes p = b * channels + c of a [B, C, H, W] gradient, where every plane of image
 // b costs first[b + 1] - first[b] units of work (its RoIs; first is the prefix count, B + 1
 // entries), into `chunks` consecutive ranges of about equal cost: range j is

@@ -148,19 +148,12 @@ std::vector<RoITable<T>> shared_tables(
   return tables;
 }
 
-// RoI indices grouped by image, each group in index order (a counting sort): the RoIs of
-// image b are order[first[b], first[b + 1]).
+// RoI k's image (rois is [K, 5], batch indices checked).
 template <typename T>
-void group_by_image(
-    const T* rois, int64_t num_rois, int64_t batch, std::vector<int64_t>& first,
-    std::vector<int64_t>& order) {
-  first.assign(batch + 1, 0);
-  order.resize(num_rois);
-  for (int64_t k = 0; k < num_rois; ++k) ++first[static_cast<int64_t>(rois[k * 5]) + 1];
-  for (int64_t b = 0; b < batch; ++b) first[b + 1] += first[b];
-  std::vector<int64_t> fill(first.begin(), first.end() - 1);
-  for (int64_t k = 0; k < num_rois; ++k) order[fill[static_cast<int64_t>(rois[k * 5])]++] = k;
-}
+struct ImageOf {
+  const T* rois;
+  int64_t operator()(int64_t k) const { return static_cast<int64_t>(rois[k * 5]); }
+};
 
 // rois as a contiguous [K, 5] tensor of the accumulation type, every batch index checked.
 template <typename acc_t>
@@ -271,7 +264,7 @@ void forward_typed(
   // its own tables builds each once.
   const bool by_block = !nhwc && !tables.empty();
   std::vector<int64_t> first, order;
-  if (by_block) group_by_image(roi_ptr, num_rois, batch, first, order);
+  if (by_block) cpu::group_rois_by_image(num_rois, batch, ImageOf<acc_t>{roi_ptr}, first, order);
 
   at::parallel_for(0, num_rois * blocks, 1, [&](int64_t begin, int64_t end) {
     RoITable<acc_t> own;
@@ -353,7 +346,7 @@ void backward_typed(
   const int64_t plane = height * width;
 
   std::vector<int64_t> first, order;
-  group_by_image(roi_ptr, num_rois, batch, first, order);
+  cpu::group_rois_by_image(num_rois, batch, ImageOf<acc_t>{roi_ptr}, first, order);
   // Shared by every plane of their image when they fit in kSharedTableBytes; otherwise each
   // task builds the tables it needs.
   const std::vector<RoITable<acc_t>> tables = shared_tables(

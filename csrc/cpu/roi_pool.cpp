@@ -330,16 +330,11 @@ bool roi_pool_backward_typed(
   const int32_t* arg = argmax.const_data_ptr<int32_t>();
   scalar_t* gi = grad_input.data_ptr<scalar_t>();
 
-  // RoIs of each image, in RoI order (a stable counting sort).
-  const int64_t k_total = static_cast<int64_t>(roi_batch.size());
-  std::vector<int64_t> first(batch + 1, 0);
-  for (int64_t b : roi_batch) ++first[b + 1];
-  for (int64_t b = 0; b < batch; ++b) first[b + 1] += first[b];
-  std::vector<int64_t> by_image(k_total);
-  {
-    std::vector<int64_t> fill(first.begin(), first.end() - 1);
-    for (int64_t k = 0; k < k_total; ++k) by_image[fill[roi_batch[k]]++] = k;
-  }
+  // RoIs of each image, in RoI order.
+  std::vector<int64_t> first, by_image;
+  cpu::group_rois_by_image(
+      static_cast<int64_t>(roi_batch.size()), batch, [&](int64_t k) { return roi_batch[k]; },
+      first, by_image);
 
   // A few chunks of equal work per thread; the chunking never changes the order in which a
   // plane receives its additions.
