@@ -30,6 +30,7 @@
 #include "../common/roi_align_geometry.h"
 #include "output_alloc.h"
 #include "plane_chunks.h"
+#include "work_shares.h"
 
 namespace detops {
 namespace ops {
@@ -266,7 +267,9 @@ void forward_typed(
   std::vector<int64_t> first, order;
   if (by_block) cpu::group_rois_by_image(num_rois, batch, ImageOf<acc_t>{roi_ptr}, first, order);
 
-  at::parallel_for(0, num_rois * blocks, 1, [&](int64_t begin, int64_t end) {
+  // Equal shares of the items, in order, a chunk at a time; threads done early help the others.
+  const int64_t items = num_rois * blocks;
+  cpu::parallel_shares(items, cpu::share_chunk(items, 32), [&](int64_t begin, int64_t end) {
     RoITable<acc_t> own;
     int64_t cached = -1;
     int64_t b = 0;  // the image of the current item, by_block
@@ -353,15 +356,19 @@ void backward_typed(
       roi_ptr, num_rois, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
       width, int64_t{1});
 
-  // A few chunks of equal work per thread. Which task adds into a plane never changes the
-  // order of the additions, so the chunking does not affect the result. Each task zeroes its
-  // planes first (grad_input comes uninitialized), while they are about to be written.
+  // Chunks of equal work, up to four per thread, of a block of channels or more where there
+  // are planes enough for every thread (a task adds each RoI to a block of channels at once),
+  // taken in order from equal shares; threads done early help the others. Which task adds
+  // into a plane never changes the order of the additions, so the chunking does not affect
+  // the result. Each task zeroes its planes first (grad_input comes uninitialized), while they
+  // are about to be written.
   const int64_t planes = batch * channels;
-  const int64_t chunks =
-      std::max<int64_t>(1, std::min<int64_t>(planes, int64_t{at::get_num_threads()} * 4));
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min(planes, std::max(threads, std::min(planes / kChannelBlock, threads * 4))));
   const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
 
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+  cpu::parallel_shares(chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     RoITable<acc_t> own;
     // Adds the gradients of image b's RoIs, in RoI order, to its channels [c_begin, c_end).
     const auto add_rois = [&](int64_t b, int64_t c_begin, int64_t c_end) {

@@ -29,6 +29,7 @@
 #include "../detops.h"
 #include "output_alloc.h"
 #include "plane_chunks.h"
+#include "work_shares.h"
 #include "roi_pool_lanes.h"
 
 namespace detops {
@@ -234,9 +235,11 @@ void roi_pool_forward_typed(
   const bool vector_path = path != ForwardPath::kScalar;
 
   // Items run RoI fastest (item = block * K + RoI): a thread's range of items holds RoIs of
-  // all sizes, so equal ranges are about equal work, and it reads few channel planes.
+  // all sizes, so equal ranges are about equal work, and it reads few channel planes. Equal
+  // shares, a chunk at a time; threads done early help the others.
   const int64_t num_rois = rois.size(0);
-  at::parallel_for(0, num_rois * blocks, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t items = num_rois * blocks;
+  cpu::parallel_shares(items, cpu::share_chunk(items, 32), [&](int64_t i0, int64_t i1) {
     // vector path: the column maxima of one bin row and the results of one block, channel
     // minor (kChannelBlock entries per column / bin)
     const int64_t lanes = vector_path ? kChannelBlock : 0;
@@ -336,8 +339,9 @@ bool roi_pool_backward_typed(
       static_cast<int64_t>(roi_batch.size()), batch, [&](int64_t k) { return roi_batch[k]; },
       first, by_image);
 
-  // A few chunks of equal work per thread; the chunking never changes the order in which a
-  // plane receives its additions.
+  // Chunks of equal work, four per thread, taken in order from equal shares (threads done
+  // early help the others); the chunking never changes the order in which a plane receives
+  // its additions.
   const int64_t planes = batch * channels;
   const int64_t chunks =
       std::max<int64_t>(1, std::min<int64_t>(planes, int64_t{at::get_num_threads()} * 4));
@@ -347,7 +351,7 @@ bool roi_pool_backward_typed(
   // grad_input comes uninitialized: each task writes its planes whole (zeroes, then adds).
   // An argmax outside [-1, H * W) is never followed; it sets `bad`, and the caller reports it.
   std::atomic<bool> bad{false};
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+  cpu::parallel_shares(chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<acc_t> buffer(kDirect ? 0 : plane_size);
     bool task_bad = false;
     for (int64_t p = bounds[chunk_begin]; p < bounds[chunk_end]; ++p) {

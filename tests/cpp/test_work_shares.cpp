@@ -1,0 +1,87 @@
+// cpu::parallel_shares (csrc/cpu/work_shares.h), the loop of the CPU RoI kernels: every item
+// runs exactly once, whatever the thread count and chunk, and threads done with their own share
+// take over the rest of a stalled one.
+#include <gtest/gtest.h>
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <thread>
+
+#include "cpu/work_shares.h"
+
+namespace {
+
+// at::set_num_threads for one test, restored after it.
+class ThreadCount {
+ public:
+  explicit ThreadCount(int n) : saved_(at::get_num_threads()) { at::set_num_threads(n); }
+  ~ThreadCount() { at::set_num_threads(saved_); }
+
+ private:
+  int saved_;
+};
+
+TEST(ParallelShares, RunsEveryItemOnce) {
+  for (int threads : {1, 3, 4}) {
+    ThreadCount count(threads);
+    for (int64_t n : {0, 1, 5, 64, 1000, 1001}) {
+      for (int64_t chunk : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{64}, int64_t{5000}}) {
+        const std::unique_ptr<std::atomic<int>[]> hits(new std::atomic<int>[n > 0 ? n : 1]());
+        std::atomic<bool> bad_range{false};
+        detops::cpu::parallel_shares(n, chunk, [&](int64_t begin, int64_t end) {
+          if (!(0 <= begin && begin < end && end <= n)) bad_range = true;
+          for (int64_t i = begin; i < end; ++i) hits[i].fetch_add(1);
+        });
+        EXPECT_FALSE(bad_range.load()) << "threads " << threads << " n " << n << " chunk " << chunk;
+        for (int64_t i = 0; i < n; ++i) {
+          ASSERT_EQ(hits[i].load(), 1) << "item " << i << " threads " << threads << " n " << n << " chunk " << chunk;
+        }
+      }
+    }
+  }
+}
+
+TEST(ParallelShares, OtherThreadsTakeOverAStalledShare) {
+  ThreadCount count(4);
+  if (at::get_num_threads() < 4) GTEST_SKIP() << "at::parallel_for runs on one thread in this build";
+  // Four shares of 100 items in chunks of 5. Every chunk of the first share takes 2 ms, so
+  // its owner runs at most a few of them while the other threads finish their shares.
+  constexpr int64_t n = 400, share = 100;
+  const std::unique_ptr<std::atomic<int>[]> hits(new std::atomic<int>[n]());
+  const std::unique_ptr<std::atomic<int>[]> ran_on(new std::atomic<int>[n]());
+  detops::cpu::parallel_shares(n, 5, [&](int64_t begin, int64_t end) {
+    if (begin < share) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    for (int64_t i = begin; i < end; ++i) {
+      hits[i].fetch_add(1);
+      ran_on[i].store(at::get_thread_num());
+    }
+  });
+  std::set<int> threads_of_first_share;
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(hits[i].load(), 1) << "item " << i;
+    if (i < share) threads_of_first_share.insert(ran_on[i].load());
+  }
+  EXPECT_GE(threads_of_first_share.size(), 2u);
+}
+
+TEST(ParallelShares, InsideAParallelRegionRunsOnTheCallingThread) {
+  ThreadCount count(4);
+  std::atomic<int> calls{0}, items{0};
+  at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      detops::cpu::parallel_shares(100, 3, [&](int64_t b, int64_t e) {
+        calls.fetch_add(1);
+        items.fetch_add(static_cast<int>(e - b));
+      });
+    }
+  });
+  EXPECT_EQ(calls.load(), 2);
+  EXPECT_EQ(items.load(), 200);
+}
+
+}  // namespace
