@@ -26,6 +26,16 @@ class ThreadCount {
   int saved_;
 };
 
+// Whether at::parallel_for runs on several threads here (this executable built with OpenMP).
+bool parallel_for_uses_threads() {
+  std::atomic<unsigned> seen{0};
+  at::parallel_for(0, 4, 1, [&](int64_t, int64_t) {
+    seen.fetch_or(1u << (at::get_thread_num() % 32));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  return (seen.load() & (seen.load() - 1)) != 0;
+}
+
 TEST(ParallelShares, RunsEveryItemOnce) {
   for (int threads : {1, 3, 4}) {
     ThreadCount count(threads);
@@ -48,7 +58,7 @@ TEST(ParallelShares, RunsEveryItemOnce) {
 
 TEST(ParallelShares, OtherThreadsTakeOverAStalledShare) {
   ThreadCount count(4);
-  if (at::get_num_threads() < 4) GTEST_SKIP() << "at::parallel_for runs on one thread in this build";
+  if (!parallel_for_uses_threads()) GTEST_SKIP() << "at::parallel_for runs on one thread in this build";
   // Four shares of 100 items in chunks of 5. Every chunk of the first share takes 2 ms, so
   // its owner runs at most a few of them while the other threads finish their shares.
   constexpr int64_t n = 400, share = 100;
