@@ -81,6 +81,7 @@ TEST(ParallelShares, OtherThreadsTakeOverAStalledShare) {
 
 TEST(ParallelShares, InsideAParallelRegionRunsOnTheCallingThread) {
   ThreadCount count(4);
+  if (!parallel_for_uses_threads()) GTEST_SKIP() << "at::parallel_for opens no parallel region in this build";
   std::atomic<int> calls{0}, items{0};
   at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
