@@ -6,7 +6,8 @@
 //   forward:  parallel over (RoI, channel block) items, outputs disjoint. NCHW input reads
 //             kChannelBlock planes per item; channels_last input is read in place, the
 //             channels of a pixel being contiguous, so the inner loop is a vector loop over
-//             channels. The RoIs' tables are built once up front and shared by every task.
+//             channels. The RoIs' tables are built once, by the threads of the kernel's own
+//             parallel region before they start on their items, and shared by every task.
 //             For NCHW input the items run RoI fastest within an image and channel block, so
 //             a task reads the planes of one or a few blocks, which stay in its core's cache.
 //   backward: parallel over (image, channel) planes of grad_input; each plane is owned by one
@@ -24,6 +25,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "../common/roi_align_checks.h"
@@ -55,30 +59,21 @@ struct AxisSample {
 // weights bilinear_sample gives it. Pixel (y, x) is at offset (y * width + x) * stride (1 for
 // an H x W plane, C for a channels_last image).
 template <typename T>
-struct RoITable {
-  std::vector<AxisSample<T>> rows, cols;
-  std::vector<int64_t> row_start, col_start;
-  T count = T(1);  // the divisor of a bin
-
-  void build(
-      const T* roi, T spatial_scale, int64_t pooled_height, int64_t pooled_width,
-      int64_t sampling_ratio, bool aligned, int64_t height, int64_t width, int64_t stride) {
-    const roi_align::RoIBins<T> r = roi_align::roi_bins<T>(
-        roi[1], roi[2], roi[3], roi[4], spatial_scale, pooled_height, pooled_width,
-        sampling_ratio, aligned);
-    count = r.count;
-    axis(r.start_h, r.bin_h, pooled_height, r.grid_h, height, width * stride, rows, row_start);
-    axis(r.start_w, r.bin_w, pooled_width, r.grid_w, width, stride, cols, col_start);
-  }
+struct TableRef {
+  const AxisSample<T>* rows;
+  const AxisSample<T>* cols;
+  const int64_t* row_start;  // pooled_height + 1 entries
+  const int64_t* col_start;  // pooled_width + 1 entries
+  T count;                   // the divisor of a bin
 
   // Calls f(o1, o2, o3, o4, w1, w2, w3, w4) for each sample of bin (ph, pw) that reads the
   // map, in bilinear_sample's order of pixels: (lo, lo), (lo, hi), (hi, lo), (hi, hi).
   template <typename F>
   void for_each_sample(int64_t ph, int64_t pw, F&& f) const {
-    const AxisSample<T>* const y_end = rows.data() + row_start[ph + 1];
-    const AxisSample<T>* const x_begin = cols.data() + col_start[pw];
-    const AxisSample<T>* const x_end = cols.data() + col_start[pw + 1];
-    for (const AxisSample<T>* y = rows.data() + row_start[ph]; y < y_end; ++y) {
+    const AxisSample<T>* const y_end = rows + row_start[ph + 1];
+    const AxisSample<T>* const x_begin = cols + col_start[pw];
+    const AxisSample<T>* const x_end = cols + col_start[pw + 1];
+    for (const AxisSample<T>* y = rows + row_start[ph]; y < y_end; ++y) {
       const int64_t ylo = y->lo, yhi = y->hi;
       const T yh = y->h, yl = y->l;
       for (const AxisSample<T>* x = x_begin; x < x_end; ++x) {
@@ -88,19 +83,47 @@ struct RoITable {
       }
     }
   }
+};
 
-  // Bytes of the table of a RoI with these bins.
-  static double bytes(const roi_align::RoIBins<T>& r, int64_t pooled_height, int64_t pooled_width) {
-    return static_cast<double>(pooled_height * r.grid_h + pooled_width * r.grid_w) *
-        sizeof(AxisSample<T>);
+// Where a RoI's table is built and what it reads.
+template <typename T>
+struct TableGeometry {
+  const T* rois;  // [K, 5]
+  T spatial_scale;
+  int64_t pooled_height, pooled_width, sampling_ratio;
+  bool aligned;
+  int64_t height, width, stride;
+
+  roi_align::RoIBins<T> bins(int64_t k) const {
+    const T* roi = rois + k * 5;
+    return roi_align::roi_bins<T>(
+        roi[1], roi[2], roi[3], roi[4], spatial_scale, pooled_height, pooled_width,
+        sampling_ratio, aligned);
+  }
+  // Sample rows and columns a RoI with these bins has room for.
+  int64_t capacity(const roi_align::RoIBins<T>& r) const {
+    return pooled_height * r.grid_h + pooled_width * r.grid_w;
+  }
+  // Writes RoI k's table, for bins r, into samples (room for capacity(r)) and starts
+  // (pooled_height + pooled_width + 2 entries); returns its divisor.
+  T build(const roi_align::RoIBins<T>& r, AxisSample<T>* samples, int64_t* starts) const {
+    const int64_t rows = axis(r.start_h, r.bin_h, pooled_height, r.grid_h, height, width * stride, samples, starts);
+    axis(r.start_w, r.bin_w, pooled_width, r.grid_w, width, stride, samples + rows,
+         starts + pooled_height + 1);
+    return r.count;
+  }
+  TableRef<T> ref(const AxisSample<T>* samples, const int64_t* starts, T count) const {
+    return TableRef<T>{samples, samples + starts[pooled_height], starts, starts + pooled_height + 1, count};
   }
 
  private:
-  static void axis(
+  // The samples along one axis that read the map; out_start[p] is where bin p's begin.
+  // Returns how many there are.
+  static int64_t axis(
       T start, T bin, int64_t pooled, int64_t grid, int64_t size, int64_t stride,
-      std::vector<AxisSample<T>>& out, std::vector<int64_t>& out_start) {
-    out.clear();
-    out_start.assign(1, 0);
+      AxisSample<T>* out, int64_t* out_start) {
+    int64_t n = 0;
+    out_start[0] = 0;
     for (int64_t p = 0; p < pooled; ++p) {
       for (int64_t i = 0; i < grid; ++i) {
         const T v = roi_align::sample_coord(start, bin, p, i, grid);
@@ -109,45 +132,118 @@ struct RoITable {
         int64_t lo, hi;
         T l;
         roi_align::axis_weights(v, size, lo, hi, l);
-        out.push_back(AxisSample<T>{lo * stride, hi * stride, T(1) - l, l});
+        out[n++] = AxisSample<T>{lo * stride, hi * stride, T(1) - l, l};
       }
-      out_start.push_back(static_cast<int64_t>(out.size()));
+      out_start[p + 1] = n;
     }
+    return n;
   }
 };
 
-// The tables of all RoIs are built once and shared between tasks up to this many bytes (an
+// One RoI's table built by the task that reads it, in storage the task reuses.
+template <typename T>
+struct OwnTable {
+  std::unique_ptr<AxisSample<T>[]> samples;  // room for `room` (uninitialized)
+  int64_t room = 0;
+  std::vector<int64_t> starts;
+  int64_t cached = -1;  // the RoI built last
+
+  TableRef<T> get(const TableGeometry<T>& g, int64_t k) {
+    const roi_align::RoIBins<T> r = g.bins(k);
+    if (k != cached) {
+      const int64_t capacity = g.capacity(r);
+      if (capacity > room) {
+        samples.reset(new AxisSample<T>[capacity]);
+        room = capacity;
+      }
+      starts.resize(static_cast<size_t>(g.pooled_height + g.pooled_width + 2));
+      g.build(r, samples.get(), starts.data());
+      cached = k;
+    }
+    return g.ref(samples.get(), starts.data(), r.count);
+  }
+};
+
+// The tables of all RoIs in one allocation, shared by every task, up to this many bytes (an
 // adaptive sampling grid on RoIs far larger than the map can make them large).
 constexpr double kSharedTableBytes = 64.0 * (1 << 20);
 
-// The tables of all num_rois RoIs (rois is [K, 5]), built in parallel, or none (an empty
-// vector) when together they would exceed kSharedTableBytes.
+// The tables of all RoIs, built inside the kernel's own parallel region: each thread first
+// builds a strided share of them (build_share), then runs its items, which take their RoIs'
+// tables with get(). A table is built once, by whichever thread claims it first; a thread
+// that needs a table another thread is still building builds its own copy rather than wait.
+// A separate parallel loop for the tables, with a per-RoI allocation each, cost a 16-thread
+// call of 256 RoIs about a tenth of its time (BENCHMARKS.md, "CPU thread scaling").
 template <typename T>
-std::vector<RoITable<T>> shared_tables(
-    const T* rois, int64_t num_rois, T spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, int64_t sampling_ratio, bool aligned, int64_t height, int64_t width,
-    int64_t stride) {
-  double bytes = 0;
-  for (int64_t k = 0; k < num_rois; ++k) {
-    const T* roi = rois + k * 5;
-    bytes += RoITable<T>::bytes(
-        roi_align::roi_bins<T>(
-            roi[1], roi[2], roi[3], roi[4], spatial_scale, pooled_height, pooled_width,
-            sampling_ratio, aligned),
-        pooled_height, pooled_width);
-  }
-  std::vector<RoITable<T>> tables;
-  if (bytes > kSharedTableBytes) return tables;
-  tables.resize(num_rois);
-  at::parallel_for(0, num_rois, 1, [&](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) {
-      tables[k].build(
-          rois + k * 5, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,
-          height, width, stride);
+class SharedTables {
+ public:
+  // No tables (empty()) where together they would exceed kSharedTableBytes.
+  SharedTables(const TableGeometry<T>& g, int64_t num_rois) : g_(g), num_rois_(num_rois) {
+    per_starts_ = g.pooled_height + g.pooled_width + 2;
+    offsets_.resize(num_rois + 1);
+    offsets_[0] = 0;
+    if (g.sampling_ratio > 0) {  // every RoI has the same grid
+      const int64_t cap = (g.pooled_height + g.pooled_width) * g.sampling_ratio;
+      for (int64_t k = 0; k < num_rois; ++k) offsets_[k + 1] = offsets_[k] + cap;
+    } else {
+      for (int64_t k = 0; k < num_rois; ++k) offsets_[k + 1] = offsets_[k] + g.capacity(g.bins(k));
     }
-  });
-  return tables;
-}
+    const double bytes = static_cast<double>(offsets_[num_rois]) * sizeof(AxisSample<T>) +
+        static_cast<double>(num_rois) * per_starts_ * sizeof(int64_t);
+    if (bytes > kSharedTableBytes) return;
+    samples_.reset(new AxisSample<T>[std::max<int64_t>(offsets_[num_rois], 1)]);
+    starts_.reset(new int64_t[num_rois * per_starts_]);
+    slots_.reset(new Slot[num_rois]);
+  }
+
+  bool empty() const { return slots_ == nullptr; }
+
+  // Builds the tables of RoIs share, share + shares, ... that no thread has claimed yet.
+  void build_share(int64_t share, int64_t shares) {
+    if (empty()) return;
+    for (int64_t k = share; k < num_rois_; k += shares) claim_and_build(k);
+  }
+
+  // RoI k's table: the shared one (built now if no thread has claimed it), or, while another
+  // thread is building that, a copy in own. Without shared tables, always own.
+  TableRef<T> get(int64_t k, OwnTable<T>& own) {
+    if (!empty()) {
+      if (slots_[k].state.load(std::memory_order_acquire) == kReady || claim_and_build(k)) {
+        return g_.ref(samples_.get() + offsets_[k], starts_.get() + k * per_starts_, slots_[k].count);
+      }
+    }
+    return own.get(g_, k);
+  }
+
+ private:
+  static constexpr uint8_t kFree = 0, kBuilding = 1, kReady = 2;
+  // A RoI's state and divisor, in a cache line of their own: the threads claim and publish
+  // neighbouring RoIs at the same time.
+  struct alignas(64) Slot {
+    std::atomic<uint8_t> state{kFree};
+    T count = T(1);
+  };
+
+  // Builds RoI k's shared table if no thread has claimed it; true when it is built here.
+  bool claim_and_build(int64_t k) {
+    Slot& slot = slots_[k];
+    uint8_t expected = kFree;
+    if (slot.state.load(std::memory_order_relaxed) != kFree ||
+        !slot.state.compare_exchange_strong(expected, kBuilding, std::memory_order_relaxed)) {
+      return false;
+    }
+    slot.count = g_.build(g_.bins(k), samples_.get() + offsets_[k], starts_.get() + k * per_starts_);
+    slot.state.store(kReady, std::memory_order_release);
+    return true;
+  }
+
+  TableGeometry<T> g_;
+  int64_t num_rois_, per_starts_;
+  std::vector<int64_t> offsets_;  // RoI k's samples start at offsets_[k]
+  std::unique_ptr<AxisSample<T>[]> samples_;
+  std::unique_ptr<int64_t[]> starts_;
+  std::unique_ptr<Slot[]> slots_;
+};
 
 // RoI k's image (rois is [K, 5], batch indices checked).
 template <typename T>
@@ -178,7 +274,7 @@ constexpr int64_t kChannelsLastBlock = 32;
 // out_c[c * bins + i]. kFixed > 0 makes nc a compile-time constant (a full block).
 template <int64_t kFixed, typename scalar_t, typename acc_t>
 inline void forward_planes(
-    const scalar_t* const* planes, int64_t nc_runtime, const RoITable<acc_t>& t,
+    const scalar_t* const* planes, int64_t nc_runtime, const TableRef<acc_t>& t,
     int64_t pooled_height, int64_t pooled_width, scalar_t* out_c) {
   const int64_t nc = kFixed > 0 ? kFixed : nc_runtime;
   const int64_t bins = pooled_height * pooled_width;
@@ -205,7 +301,7 @@ inline void forward_planes(
 // of the RoI's image, sample offsets are pixel * C.
 template <typename scalar_t, typename acc_t>
 inline void forward_channels_last(
-    const scalar_t* image, int64_t nc, const RoITable<acc_t>& t, int64_t pooled_height,
+    const scalar_t* image, int64_t nc, const TableRef<acc_t>& t, int64_t pooled_height,
     int64_t pooled_width, scalar_t* out_c) {
   const int64_t bins = pooled_height * pooled_width;
   for (int64_t ph = 0, i = 0; ph < pooled_height; ++ph) {
@@ -231,6 +327,7 @@ inline void forward_channels_last(
   }
 }
 
+
 template <typename scalar_t>
 void forward_typed(
     const at::Tensor& input, const at::Tensor& rois_in, double spatial_scale,
@@ -255,9 +352,10 @@ void forward_typed(
   const int64_t blocks = (channels + block - 1) / block;
 
   const int64_t stride = nhwc ? channels : 1;
-  const std::vector<RoITable<acc_t>> tables = shared_tables(
-      roi_ptr, num_rois, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
-      width, stride);
+  SharedTables<acc_t> tables(
+      TableGeometry<acc_t>{roi_ptr, scale, pooled_height, pooled_width, sampling_ratio, aligned,
+                           height, width, stride},
+      num_rois);
   // NCHW input with shared tables: the items of image b are (channel block, RoI of b), RoI
   // fastest, so a task's range of items reads the planes of one or a few channel blocks,
   // which stay in its core's cache. Otherwise an item is (RoI, channel block), channel block
@@ -268,50 +366,45 @@ void forward_typed(
   if (by_block) cpu::group_rois_by_image(num_rois, batch, ImageOf<acc_t>{roi_ptr}, first, order);
 
   // Equal shares of the items, in order, a chunk at a time; threads done early help the others.
+  // Each thread first builds its share of the tables.
   const int64_t items = num_rois * blocks;
-  cpu::parallel_shares(items, cpu::share_chunk(items, 32), [&](int64_t begin, int64_t end) {
-    RoITable<acc_t> own;
-    int64_t cached = -1;
-    int64_t b = 0;  // the image of the current item, by_block
-    for (int64_t item = begin; item < end; ++item) {
-      int64_t k, block_index;
-      if (by_block) {
-        while (item >= first[b + 1] * blocks) ++b;
-        const int64_t n = first[b + 1] - first[b];  // > 0: the item lies in image b
-        const int64_t j = item - first[b] * blocks;
-        block_index = j / n;
-        k = order[first[b] + j % n];
-      } else {
-        k = item / blocks;
-        block_index = item - k * blocks;
-      }
-      const RoITable<acc_t>* t = &own;
-      if (!tables.empty()) {
-        t = &tables[k];
-      } else if (k != cached) {
-        own.build(
-            roi_ptr + k * 5, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
-            width, stride);
-        cached = k;
-      }
-      const int64_t c0 = block_index * block;
-      const int64_t nc = std::min(block, channels - c0);
-      const int64_t image = static_cast<int64_t>(roi_ptr[k * 5]);
-      scalar_t* out_c = out + (k * channels + c0) * bins;
-      if (nhwc) {
-        forward_channels_last(
-            in + image * plane * channels + c0, nc, *t, pooled_height, pooled_width, out_c);
-        continue;
-      }
-      const scalar_t* planes[kChannelBlock];
-      for (int64_t c = 0; c < nc; ++c) planes[c] = in + (image * channels + c0 + c) * plane;
-      if (nc == kChannelBlock) {
-        forward_planes<kChannelBlock>(planes, nc, *t, pooled_height, pooled_width, out_c);
-      } else {
-        forward_planes<0>(planes, nc, *t, pooled_height, pooled_width, out_c);
-      }
-    }
-  });
+  cpu::parallel_shares(
+      items, cpu::share_chunk(items, 32),
+      [&](int64_t begin, int64_t end) {
+        OwnTable<acc_t> own;
+        int64_t b = 0;  // the image of the current item, by_block
+        for (int64_t item = begin; item < end; ++item) {
+          int64_t k, block_index;
+          if (by_block) {
+            while (item >= first[b + 1] * blocks) ++b;
+            const int64_t n = first[b + 1] - first[b];  // > 0: the item lies in image b
+            const int64_t j = item - first[b] * blocks;
+            block_index = j / n;
+            k = order[first[b] + j % n];
+          } else {
+            k = item / blocks;
+            block_index = item - k * blocks;
+          }
+          const TableRef<acc_t> t = tables.get(k, own);
+          const int64_t c0 = block_index * block;
+          const int64_t nc = std::min(block, channels - c0);
+          const int64_t image = static_cast<int64_t>(roi_ptr[k * 5]);
+          scalar_t* out_c = out + (k * channels + c0) * bins;
+          if (nhwc) {
+            forward_channels_last(
+                in + image * plane * channels + c0, nc, t, pooled_height, pooled_width, out_c);
+            continue;
+          }
+          const scalar_t* planes[kChannelBlock];
+          for (int64_t c = 0; c < nc; ++c) planes[c] = in + (image * channels + c0 + c) * plane;
+          if (nc == kChannelBlock) {
+            forward_planes<kChannelBlock>(planes, nc, t, pooled_height, pooled_width, out_c);
+          } else {
+            forward_planes<0>(planes, nc, t, pooled_height, pooled_width, out_c);
+          }
+        }
+      },
+      [&](int64_t share, int64_t shares) { tables.build_share(share, shares); });
 }
 
 at::Tensor roi_align_forward_cpu(
@@ -352,76 +445,73 @@ void backward_typed(
   cpu::group_rois_by_image(num_rois, batch, ImageOf<acc_t>{roi_ptr}, first, order);
   // Shared by every plane of their image when they fit in kSharedTableBytes; otherwise each
   // task builds the tables it needs.
-  const std::vector<RoITable<acc_t>> tables = shared_tables(
-      roi_ptr, num_rois, scale, pooled_height, pooled_width, sampling_ratio, aligned, height,
-      width, int64_t{1});
+  SharedTables<acc_t> tables(
+      TableGeometry<acc_t>{roi_ptr, scale, pooled_height, pooled_width, sampling_ratio, aligned,
+                           height, width, int64_t{1}},
+      num_rois);
 
   // Chunks of equal work, up to four per thread, of a block of channels or more where there
   // are planes enough for every thread (a task adds each RoI to a block of channels at once),
   // taken in order from equal shares; threads done early help the others. Which task adds
   // into a plane never changes the order of the additions, so the chunking does not affect
   // the result. Each task zeroes its planes first (grad_input comes uninitialized), while they
-  // are about to be written.
+  // are about to be written. Each thread first builds its share of the tables.
   const int64_t planes = batch * channels;
   const int64_t threads = at::get_num_threads();
   const int64_t chunks = std::max<int64_t>(
       1, std::min(planes, std::max(threads, std::min(planes / kChannelBlock, threads * 4))));
   const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
 
-  cpu::parallel_shares(chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    RoITable<acc_t> own;
-    // Adds the gradients of image b's RoIs, in RoI order, to its channels [c_begin, c_end).
-    const auto add_rois = [&](int64_t b, int64_t c_begin, int64_t c_end) {
-      for (int64_t r = first[b]; r < first[b + 1]; ++r) {
-        const int64_t k = order[r];
-        const RoITable<acc_t>* t = &own;
-        if (!tables.empty()) {
-          t = &tables[k];
-        } else {
-          own.build(
-              roi_ptr + k * 5, scale, pooled_height, pooled_width, sampling_ratio, aligned,
-              height, width, int64_t{1});
-        }
-        const acc_t count = t->count;
-        for (int64_t c0 = c_begin; c0 < c_end; c0 += kChannelBlock) {
-          const int64_t nc = std::min(kChannelBlock, c_end - c0);
-          acc_t* dst[kChannelBlock];
-          for (int64_t c = 0; c < nc; ++c) dst[c] = gi + (b * channels + c0 + c) * plane;
-          const scalar_t* gk = g + (k * channels + c0) * bins;
-          for (int64_t ph = 0, i = 0; ph < pooled_height; ++ph) {
-            for (int64_t pw = 0; pw < pooled_width; ++pw, ++i) {
-              acc_t gv[kChannelBlock];
-              for (int64_t c = 0; c < nc; ++c) gv[c] = static_cast<acc_t>(gk[c * bins + i]) / count;
-              t->for_each_sample(ph, pw, [&](int64_t o1, int64_t o2, int64_t o3, int64_t o4,
-                                             acc_t w1, acc_t w2, acc_t w3, acc_t w4) {
-                for (int64_t c = 0; c < nc; ++c) {
-                  acc_t* p = dst[c];
-                  p[o1] += w1 * gv[c];
-                  p[o2] += w2 * gv[c];
-                  p[o3] += w3 * gv[c];
-                  p[o4] += w4 * gv[c];
+  cpu::parallel_shares(
+      chunks, 1,
+      [&](int64_t chunk_begin, int64_t chunk_end) {
+        OwnTable<acc_t> own;
+        // Adds the gradients of image b's RoIs, in RoI order, to its channels [c_begin, c_end).
+        const auto add_rois = [&](int64_t b, int64_t c_begin, int64_t c_end) {
+          for (int64_t r = first[b]; r < first[b + 1]; ++r) {
+            const int64_t k = order[r];
+            const TableRef<acc_t> t = tables.get(k, own);
+            const acc_t count = t.count;
+            for (int64_t c0 = c_begin; c0 < c_end; c0 += kChannelBlock) {
+              const int64_t nc = std::min(kChannelBlock, c_end - c0);
+              acc_t* dst[kChannelBlock];
+              for (int64_t c = 0; c < nc; ++c) dst[c] = gi + (b * channels + c0 + c) * plane;
+              const scalar_t* gk = g + (k * channels + c0) * bins;
+              for (int64_t ph = 0, i = 0; ph < pooled_height; ++ph) {
+                for (int64_t pw = 0; pw < pooled_width; ++pw, ++i) {
+                  acc_t gv[kChannelBlock];
+                  for (int64_t c = 0; c < nc; ++c) gv[c] = static_cast<acc_t>(gk[c * bins + i]) / count;
+                  t.for_each_sample(ph, pw, [&](int64_t o1, int64_t o2, int64_t o3, int64_t o4,
+                                                acc_t w1, acc_t w2, acc_t w3, acc_t w4) {
+                    for (int64_t c = 0; c < nc; ++c) {
+                      acc_t* p = dst[c];
+                      p[o1] += w1 * gv[c];
+                      p[o2] += w2 * gv[c];
+                      p[o3] += w3 * gv[c];
+                      p[o4] += w4 * gv[c];
+                    }
+                  });
                 }
-              });
+              }
             }
           }
+        };
+        const int64_t begin = bounds[chunk_begin], end = bounds[chunk_end];
+        std::fill(gi + begin * plane, gi + end * plane, acc_t(0));
+        for (int64_t b = begin / channels; b * channels < end; ++b) {
+          const int64_t c_begin = std::max(begin, b * channels) - b * channels;
+          const int64_t c_end = std::min(end, (b + 1) * channels) - b * channels;
+          if (tables.empty()) {  // each RoI's table built once, for all the channels
+            add_rois(b, c_begin, c_end);
+            continue;
+          }
+          // one block of channels at a time, so that the planes being added to stay in cache
+          for (int64_t c0 = c_begin; c0 < c_end; c0 += kChannelBlock) {
+            add_rois(b, c0, std::min(c0 + kChannelBlock, c_end));
+          }
         }
-      }
-    };
-    const int64_t begin = bounds[chunk_begin], end = bounds[chunk_end];
-    std::fill(gi + begin * plane, gi + end * plane, acc_t(0));
-    for (int64_t b = begin / channels; b * channels < end; ++b) {
-      const int64_t c_begin = std::max(begin, b * channels) - b * channels;
-      const int64_t c_end = std::min(end, (b + 1) * channels) - b * channels;
-      if (tables.empty()) {  // each RoI's table built once, for all the channels
-        add_rois(b, c_begin, c_end);
-        continue;
-      }
-      // one block of channels at a time, so that the planes being added to stay in cache
-      for (int64_t c0 = c_begin; c0 < c_end; c0 += kChannelBlock) {
-        add_rois(b, c0, std::min(c0 + kChannelBlock, c_end));
-      }
-    }
-  });
+      },
+      [&](int64_t share, int64_t shares) { tables.build_share(share, shares); });
 }
 
 at::Tensor roi_align_backward_cpu(

@@ -31,8 +31,13 @@ inline int64_t share_chunk(int64_t n, int64_t max_chunk) {
 // core. A thread done with its own share takes the next chunk of the share with the most
 // items left, until none are left. fn must not depend on which thread runs a range; inside a
 // parallel region, or with one thread, fn(0, n) runs on the calling thread.
-template <typename F>
-void parallel_shares(int64_t n, int64_t chunk, const F& fn) {
+//
+// prologue(share, shares), where given, runs once for each share on the thread that owns it,
+// before that thread takes its first chunk (for work the items then share, split among the
+// threads without a parallel loop of its own). It does not run where fn(0, n) runs on the
+// calling thread, so fn must not depend on it having run.
+template <typename F, typename P>
+void parallel_shares(int64_t n, int64_t chunk, const F& fn, const P& prologue) {
   if (n <= 0) return;
   chunk = std::max<int64_t>(chunk, 1);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + chunk - 1) / chunk);
@@ -57,6 +62,7 @@ void parallel_shares(int64_t n, int64_t chunk, const F& fn) {
     return true;
   };
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) prologue(t, threads);
     for (int64_t t = t0; t < t1; ++t) {
       while (take(shares[t])) {
       }
@@ -75,6 +81,11 @@ void parallel_shares(int64_t n, int64_t chunk, const F& fn) {
       take(*most);
     }
   });
+}
+
+template <typename F>
+void parallel_shares(int64_t n, int64_t chunk, const F& fn) {
+  parallel_shares(n, chunk, fn, [](int64_t, int64_t) {});
 }
 
 }  // namespace cpu

@@ -1,15 +1,20 @@
 // cpu::parallel_shares (csrc/cpu/work_shares.h), the loop of the CPU RoI kernels: every item
 // runs exactly once, whatever the thread count and chunk, and threads done with their own share
-// take over the rest of a stalled one.
+// take over the rest of a stalled one; a prologue runs once per share, on its owner, before
+// that thread's chunks.
 #include <gtest/gtest.h>
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <map>
+#include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 
 #include "cpu/work_shares.h"
@@ -77,6 +82,47 @@ TEST(ParallelShares, OtherThreadsTakeOverAStalledShare) {
     if (i < share) threads_of_first_share.insert(ran_on[i].load());
   }
   EXPECT_GE(threads_of_first_share.size(), 2u);
+}
+
+TEST(ParallelShares, PrologueRunsOncePerShareBeforeItsOwnersChunks) {
+  for (int threads : {1, 3, 4}) {
+    ThreadCount count(threads);
+    for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{1000}}) {
+      for (int64_t chunk : {int64_t{1}, int64_t{7}}) {
+        // shares in use: the thread count, or fewer where there are fewer chunks
+        const int64_t shares = std::min<int64_t>(at::get_num_threads(), (n + chunk - 1) / chunk);
+        std::mutex mutex;
+        std::map<int64_t, int> prologues;            // share -> runs of its prologue
+        std::set<std::thread::id> prologue_threads;  // threads that ran a prologue
+        int64_t shares_passed = -1, chunks_without_prologue = 0;
+        detops::cpu::parallel_shares(
+            n, chunk,
+            [&](int64_t, int64_t) {
+              const std::lock_guard<std::mutex> lock(mutex);
+              if (!prologue_threads.count(std::this_thread::get_id())) ++chunks_without_prologue;
+            },
+            [&](int64_t share, int64_t of) {
+              const std::lock_guard<std::mutex> lock(mutex);
+              ++prologues[share];
+              prologue_threads.insert(std::this_thread::get_id());
+              shares_passed = of;
+            });
+        const std::string where = "threads " + std::to_string(threads) + " n " + std::to_string(n) +
+            " chunk " + std::to_string(chunk);
+        if (shares <= 1) {  // fn(0, n) on the calling thread, and no prologue
+          EXPECT_TRUE(prologues.empty()) << where;
+          continue;
+        }
+        EXPECT_EQ(shares_passed, shares) << where;
+        EXPECT_EQ(chunks_without_prologue, 0) << where;
+        ASSERT_EQ(static_cast<int64_t>(prologues.size()), shares) << where;
+        for (const auto& [share, runs] : prologues) {
+          EXPECT_TRUE(0 <= share && share < shares) << where << " share " << share;
+          EXPECT_EQ(runs, 1) << where << " share " << share;
+        }
+      }
+    }
+  }
 }
 
 TEST(ParallelShares, InsideAParallelRegionRunsOnTheCallingThread) {
