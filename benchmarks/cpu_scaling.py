@@ -1,6 +1,7 @@
 """CPU RoI ops of one build at several thread counts, and what the machine gives independent work.
 
     python -m benchmarks.cpu_scaling --threads 1,16 --tag NAME   # medians per case, in ms
+    python -m benchmarks.cpu_scaling --cases fwd,bwd --runs 300  # some cases, more calls each
     python -m benchmarks.cpu_scaling --processes 1,8,16          # N one-thread processes at once
 
 The first form times detops' CPU roi_align / roi_pool on the small map of `bench_roi`
@@ -18,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -47,11 +48,21 @@ def cases() -> List[Tuple[str, Callable[[], object], int]]:
     ]
 
 
-def time_threads(tag: str, threads: List[int]) -> None:
+def time_threads(tag: str, threads: List[int], names: Optional[List[str]] = None, runs: Optional[int] = None) -> None:
+    """One line per thread count: the median of each case. names picks cases; runs replaces
+    each case's number of calls at more than one thread (one thread keeps the default)."""
     timed = cases()
+    if names:
+        unknown = sorted(set(names) - {name for name, _, _ in timed})
+        if unknown:
+            raise SystemExit(f"cpu_scaling: unknown cases {unknown}; known: {[name for name, _, _ in timed]}")
+        timed = [case for case in timed if case[0] in names]
     for n in threads:
         torch.set_num_threads(n)
-        medians = " ".join(f"{name}:{median_ms(fn, 'cpu', runs=runs, warmup=4):.2f}" for name, fn, runs in timed)
+        medians = " ".join(
+            f"{name}:{median_ms(fn, 'cpu', runs=runs if runs and n > 1 else default, warmup=4):.3f}"
+            for name, fn, default in timed
+        )
         print(f"{tag} t={n:2d} {medians}", flush=True)
 
 
@@ -99,6 +110,8 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="1,16", help="thread counts to time the cases at")
     p.add_argument("--tag", default=detops.__file__.rsplit("/", 2)[-2], help="label of the output lines")
+    p.add_argument("--cases", help="comma-separated case names (default: all), e.g. fwd,bwd")
+    p.add_argument("--runs", type=int, help="calls per case at more than one thread (default: the case's own)")
     p.add_argument("--processes", help="process counts, e.g. 1,8,16 (the first is the baseline)")
     p.add_argument("--op", choices=["roi_align", "sin"], default="roi_align")
     p.add_argument("--seconds", type=float, default=4.0)
@@ -106,4 +119,5 @@ if __name__ == "__main__":
     if a.processes:
         processes(a.op, [int(v) for v in a.processes.split(",")], a.seconds)
     else:
-        time_threads(a.tag, [int(v) for v in a.threads.split(",")])
+        names = a.cases.split(",") if a.cases else None
+        time_threads(a.tag, [int(v) for v in a.threads.split(",")], names, a.runs)
