@@ -2,15 +2,20 @@
 
     python -m benchmarks.cpu_scaling --threads 1,16 --tag NAME   # medians per case, in ms
     python -m benchmarks.cpu_scaling --cases fwd,bwd --runs 300  # some cases, more calls each
+    python -m benchmarks.cpu_scaling --ratio 16 --cases fwd --rounds 10  # 1 vs 16, interleaved
     python -m benchmarks.cpu_scaling --processes 1,8,16          # N one-thread processes at once
 
 The first form times detops' CPU roi_align / roi_pool on the small map of `bench_roi`
 (2x64x100x152, 256 RoIs) and on the CUDA cases' map (2x256x200x304, 1024 RoIs), 7x7 bins,
 printing one line per thread count: run it once per build, alternating builds, to compare them
-on one noisy machine. The second starts N processes together, each running the small roi_align
-forward (or `torch.sin` with --op sin) on one thread with its own data for a few seconds, and
-prints their throughput against one process: the scaling a machine gives work that shares
-nothing but its caches, memory and power, which bounds what a threaded call can reach there.
+on one noisy machine. The --ratio form alternates one thread and N threads in rounds within one
+process and prints each round's one-thread median over its N-thread median, then the median of
+those ratios: a machine's speed drifts between processes and within one, and two medians taken
+seconds apart are less exposed to that drift than two taken a minute apart. The --processes
+form starts N processes together, each running the small roi_align forward (or `torch.sin` with
+--op sin) on one thread with its own data for a few seconds, and prints their throughput
+against one process: the scaling a machine gives work that shares nothing but its caches,
+memory and power, which bounds what a threaded call can reach there.
 """
 from __future__ import annotations
 
@@ -66,6 +71,27 @@ def time_threads(tag: str, threads: List[int], names: Optional[List[str]] = None
         print(f"{tag} t={n:2d} {medians}", flush=True)
 
 
+def time_ratio(tag: str, n: int, names: Optional[List[str]], rounds: int, runs: int) -> None:
+    """Per case: rounds of (one-thread median, n-thread median), alternating, and their ratios."""
+    timed = [case for case in cases() if not names or case[0] in names]
+    if names and len(timed) != len(names):
+        raise SystemExit(f"cpu_scaling: unknown cases in {names}; known: {[name for name, _, _ in cases()]}")
+    for name, fn, default in timed:
+        ratios = []
+        for r in range(rounds):
+            torch.set_num_threads(1)
+            one = median_ms(fn, "cpu", runs=default, warmup=4)
+            torch.set_num_threads(n)
+            many = median_ms(fn, "cpu", runs=runs, warmup=4)
+            ratios.append(one / many)
+            print(f"{tag} {name} round {r + 1}: 1 thread {one:.3f} ms, {n} threads {many:.3f} ms, {one / many:.2f}x", flush=True)
+        print(
+            f"{tag} {name}: {n} threads over 1, median {statistics.median(ratios):.2f}x "
+            f"({min(ratios):.2f}-{max(ratios):.2f}x over {rounds} rounds; 0.7 N = {0.7 * n:.1f}x)",
+            flush=True,
+        )
+
+
 _WORKER = r"""
 import sys, time, statistics, torch, detops
 from benchmarks.bench_roi import _inputs
@@ -84,19 +110,22 @@ while time.time() < start:
 times = []
 while time.time() < start + float(sys.argv[3]):
     t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
-print(statistics.median(times) * 1e3)
+print(statistics.median(times) * 1e3 if times else "nan")  # nan: it started after the window
 """
 
 
 def processes(op: str, counts: List[int], seconds: float) -> None:
     base = None  # the first count's median per call
     for n in counts:
-        start = time.time() + 5 + 0.5 * n  # every process has loaded and warmed up by then
+        start = time.time() + 10 + 1.0 * n  # every process has loaded and warmed up by then
         procs = [
             subprocess.Popen([sys.executable, "-c", _WORKER, op, str(start), str(seconds)], stdout=subprocess.PIPE, text=True)
             for _ in range(n)
         ]
         per_call = [float(p.communicate()[0].split()[-1]) for p in procs]
+        late = sum(v != v for v in per_call)
+        if late:
+            raise SystemExit(f"cpu_scaling: {late} of {n} processes were not ready when the window began; rerun")
         median = statistics.median(per_call)
         base = base or median
         print(
@@ -112,12 +141,17 @@ if __name__ == "__main__":
     p.add_argument("--tag", default=detops.__file__.rsplit("/", 2)[-2], help="label of the output lines")
     p.add_argument("--cases", help="comma-separated case names (default: all), e.g. fwd,bwd")
     p.add_argument("--runs", type=int, help="calls per case at more than one thread (default: the case's own)")
+    p.add_argument("--ratio", type=int, help="N: alternate 1 and N threads in rounds, printing the ratios")
+    p.add_argument("--rounds", type=int, default=10, help="rounds of --ratio")
     p.add_argument("--processes", help="process counts, e.g. 1,8,16 (the first is the baseline)")
     p.add_argument("--op", choices=["roi_align", "sin"], default="roi_align")
     p.add_argument("--seconds", type=float, default=4.0)
     a = p.parse_args()
     if a.processes:
         processes(a.op, [int(v) for v in a.processes.split(",")], a.seconds)
+    elif a.ratio:
+        names = a.cases.split(",") if a.cases else None
+        time_ratio(a.tag, a.ratio, names, a.rounds, a.runs or 100)
     else:
         names = a.cases.split(",") if a.cases else None
         time_threads(a.tag, [int(v) for v in a.threads.split(",")], names, a.runs)
