@@ -173,8 +173,8 @@ constexpr double kSharedTableBytes = 64.0 * (1 << 20);
 // tables with get(). A table is built once, by whichever thread claims it first; a thread
 // that needs a table another thread is still building builds its own copy rather than wait.
 // Built instead by a parallel loop of their own into per-RoI vectors (several allocations per
-// RoI, all freed by the calling thread), they cost a 16-thread forward of 256 RoIs about 0.1 of
-// its 0.5-0.7 ms (BENCHMARKS.md, "Sample tables in the kernel's own region").
+// RoI, all freed by the calling thread), they cost a 16-thread forward of 256 RoIs about
+// 0.1 ms of its 0.5-0.7 ms (BENCHMARKS.md, "Sample tables in the kernel's own region").
 template <typename T>
 class SharedTables {
  public:
