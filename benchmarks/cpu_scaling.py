@@ -53,15 +53,21 @@ def cases() -> List[Tuple[str, Callable[[], object], int]]:
     ]
 
 
+def selected_cases(names: Optional[List[str]]) -> List[Tuple[str, Callable[[], object], int]]:
+    """The cases named (all of them for None), in cases()' order; unknown names stop the run."""
+    timed = cases()
+    if not names:
+        return timed
+    unknown = sorted(set(names) - {name for name, _, _ in timed})
+    if unknown:
+        raise SystemExit(f"cpu_scaling: unknown cases {unknown}; known: {[name for name, _, _ in timed]}")
+    return [case for case in timed if case[0] in names]
+
+
 def time_threads(tag: str, threads: List[int], names: Optional[List[str]] = None, runs: Optional[int] = None) -> None:
     """One line per thread count: the median of each case. names picks cases; runs replaces
     each case's number of calls at more than one thread (one thread keeps the default)."""
-    timed = cases()
-    if names:
-        unknown = sorted(set(names) - {name for name, _, _ in timed})
-        if unknown:
-            raise SystemExit(f"cpu_scaling: unknown cases {unknown}; known: {[name for name, _, _ in timed]}")
-        timed = [case for case in timed if case[0] in names]
+    timed = selected_cases(names)
     for n in threads:
         torch.set_num_threads(n)
         medians = " ".join(
@@ -73,10 +79,7 @@ def time_threads(tag: str, threads: List[int], names: Optional[List[str]] = None
 
 def time_ratio(tag: str, n: int, names: Optional[List[str]], rounds: int, runs: int) -> None:
     """Per case: rounds of (one-thread median, n-thread median), alternating, and their ratios."""
-    timed = [case for case in cases() if not names or case[0] in names]
-    if names and len(timed) != len(names):
-        raise SystemExit(f"cpu_scaling: unknown cases in {names}; known: {[name for name, _, _ in cases()]}")
-    for name, fn, default in timed:
+    for name, fn, default in selected_cases(names):
         ratios = []
         for r in range(rounds):
             torch.set_num_threads(1)
@@ -147,11 +150,10 @@ if __name__ == "__main__":
     p.add_argument("--op", choices=["roi_align", "sin"], default="roi_align")
     p.add_argument("--seconds", type=float, default=4.0)
     a = p.parse_args()
+    names = a.cases.split(",") if a.cases else None
     if a.processes:
         processes(a.op, [int(v) for v in a.processes.split(",")], a.seconds)
     elif a.ratio:
-        names = a.cases.split(",") if a.cases else None
         time_ratio(a.tag, a.ratio, names, a.rounds, a.runs or 100)
     else:
-        names = a.cases.split(",") if a.cases else None
         time_threads(a.tag, [int(v) for v in a.threads.split(",")], names, a.runs)

@@ -147,20 +147,21 @@ struct OwnTable {
   int64_t room = 0;
   std::vector<int64_t> starts;
   int64_t cached = -1;  // the RoI built last
+  T count = T(1);       // its divisor
 
   TableRef<T> get(const TableGeometry<T>& g, int64_t k) {
-    const roi_align::RoIBins<T> r = g.bins(k);
     if (k != cached) {
+      const roi_align::RoIBins<T> r = g.bins(k);
       const int64_t capacity = g.capacity(r);
       if (capacity > room) {
         samples.reset(new AxisSample<T>[capacity]);
         room = capacity;
       }
       starts.resize(static_cast<size_t>(g.pooled_height + g.pooled_width + 2));
-      g.build(r, samples.get(), starts.data());
+      count = g.build(r, samples.get(), starts.data());
       cached = k;
     }
-    return g.ref(samples.get(), starts.data(), r.count);
+    return g.ref(samples.get(), starts.data(), count);
   }
 };
 
@@ -327,7 +328,6 @@ inline void forward_channels_last(
     }
   }
 }
-
 
 template <typename scalar_t>
 void forward_typed(
