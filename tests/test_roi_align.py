@@ -635,14 +635,17 @@ def test_roi_kernel_choice_is_checked():
 
 
 # (batch, channels, height, width, rois, min side, max side, spill, pooled size, sampling ratio,
-#  aligned). The forward stages four channels per pixel (two for float64 and for maps of two or
-# three channels), in bands of twice the shared memory for float32 bins as tall as 7x7 ones. float32
-# planes 600 wide stage windows of about 40 rows in the backward and of 21 rows (16 owned, 5
-# overlap) in the forward; so do 300-wide ones with 9 bin rows per RoI (the forward's usual
-# bands); RoIs 90 rows tall have bins taller than either overlap, and RoIs up to 150 rows tall
-# in 3x3 bins, sampled 4 x 4, have bin rows up to about 40 rows tall, past every window's
-# overlap. Channel counts that are not multiples of four leave a last, partial group. 1200 RoIs
-# on two 64 x 64 maps give one block thousands of bin rows.
+#  aligned). The float32 forward stages eight channels per 32-byte pixel (the conflict-free
+# kernel) on maps up to about 450 wide: 300- and 400-wide maps stage bands of 23 and 17 rows,
+# with overlaps of 4 rows for 9 bin rows per RoI on 100 rows and 6 for 3x5 bins on 120 rows.
+# Wider float32 maps, and the other dtypes, stage four channels per pixel (two for float64 and
+# for maps of two or three channels), in bands of twice the shared memory for float32 bins as
+# tall as 7x7 ones: float32 planes 600 wide stage windows of about 40 rows in the backward and
+# of 21 rows (16 owned, 5 overlap) in the forward. RoIs 90 rows tall have bins taller than
+# these overlaps, and RoIs up to 150 rows tall in 3x3 bins, sampled 4 x 4, have bin rows up to
+# about 40 rows tall, past every window's overlap. Channel counts that are not multiples of
+# four or eight leave a last, partial group. 1200 RoIs on two 64 x 64 maps give one block
+# thousands of bin rows.
 BAND_CASES = {
     "one band": (2, 8, 40, 56, 300, 2, 30, 0.0, (7, 7), 2, True),
     "bands, tall bins": (1, 5, 100, 600, 400, 2, 90, 0.1, (7, 7), 2, True),
@@ -745,6 +748,38 @@ def test_cuda_band_kernels_run_when_chosen():
     assert "band_" not in kernels("auto", small, dense_small[:4])
     with deterministic_algorithms(True):
         assert "band_backward" not in kernels("band", small, dense_small)  # the deterministic gather
+
+
+@pytest.mark.cuda
+def test_cuda_band_forward_kernel_by_dtype_and_width():
+    # float32 maps take the conflict-free forward (eight channels per staged pixel) where its
+    # bands hold 16 rows or more; 16-bit and float64 maps, and float32 maps too wide for it,
+    # the four- or two-channel one. All agree with the gather kernel.
+    from torch.profiler import ProfilerActivity, profile
+
+    from detops.ops._utils import roi_kernel
+
+    def forward_kernels(x, rois):
+        with roi_kernel("band"), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = roi_align(x, rois, 7, 0.5, 2, True)
+            torch.cuda.synchronize()
+        with roi_kernel("gather"):
+            ref = roi_align(x, rois, 7, 0.5, 2, True)
+        tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else LOW_TOL[x.dtype]
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+        return {"rotated" if "band_forward_rotated_kernel" in e.name else "other" for e in prof.events() if "band_forward" in e.name}
+
+    # rows of 32-byte pixels a block's shared memory holds, rows padded to 2 mod 4 pixels
+    optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    rows = lambda width: (optin - 1024) // ((width + (6 - width % 4) % 4) * 32)  # noqa: E731
+    widest = max(w for w in range(4, 4096, 4) if rows(w) >= 16)  # 448 on H100 / H200
+    g = torch.Generator().manual_seed(11)
+    for width, dtype in [(300, torch.float32), (widest, torch.float32), (widest + 8, torch.float32),
+                         (300, torch.bfloat16), (300, torch.float16), (300, torch.float64)]:
+        x = torch.randn(2, 12, 60, width, generator=g).to("cuda", dtype)
+        rois = dense_rois(2, 150, 60, width, 2, 40, 0.5, seed=width).to("cuda", dtype)
+        rotated = dtype == torch.float32 and rows(width) >= 16
+        assert forward_kernels(x, rois) == {"rotated" if rotated else "other"}, (width, dtype)
 
 
 @pytest.mark.cuda

@@ -15,13 +15,17 @@
 //      its bins as zeros and the backward gives it no gradient. So RoIs far outside the
 //      map (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
 //   2. each block lists the bin rows with its key, then for each channel of its group (each
-//      two or four channels, in the forward) stages the band and computes the listed bins.
-// Forward: a bin is the same sum, term for term, as in the tiled gather kernel; pixel rows past
-// the staged window (a bin row taller than the overlap) are read from global memory. The
-// forward is bound by load wavefronts (the taps from L1/L2, shared-memory reads with bank
-// conflicts), not by arithmetic: so taps are 8 bytes, loaded two at a time, and the band holds
-// two or four channel planes interleaved, so that one list entry, one set of taps and weights,
-// and one 8- or 16-byte shared load serve them all (BENCHMARKS.md, "roi_align band forward").
+//      two, four or eight channels, in the forward) stages the band and computes the listed
+//      bins.
+// Forward: pixel rows past the staged window (a bin row taller than the overlap) are read from
+// global memory. The forward is bound by load wavefronts (the taps from L1/L2, shared-memory
+// reads with bank conflicts), not by arithmetic: so taps are 8 bytes, loaded two at a time,
+// and the band holds channel planes interleaved, so that one list entry, one set of taps and
+// weights, and one shared load serve several channels (BENCHMARKS.md, "roi_align band
+// forward"). float32 maps take roi_align_band_forward_rotated_kernel: eight channels per
+// staged pixel, read without bank conflicts. Other maps (and float32 maps too wide for its
+// bands) take roi_align_band_forward_kernel: two or four channels per pixel, a bin the same
+// sum, term for term, as in the tiled gather kernel.
 // Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
 // shared memory with shared-memory atomics, then writes the band out. Rows that two bands
 // stage (the first `overlap` rows of every band but the first) are zeroed beforehand and
@@ -182,10 +186,10 @@ __device__ __forceinline__ BinRow<acc_t> bin_row(
 struct ListWalk {
   int e, pw, step_e, step_pw;
   __device__ __forceinline__ explicit ListWalk(int pw_n)
-      : e(static_cast<int>(threadIdx.x) / pw_n),
-        pw(static_cast<int>(threadIdx.x) - e * pw_n),
-        step_e(static_cast<int>(blockDim.x) / pw_n),
-        step_pw(static_cast<int>(blockDim.x) - step_e * pw_n) {}
+      : ListWalk(pw_n, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)) {}
+  // Items first, first + step, ... (the walkers of a block take first = 0 .. step - 1).
+  __device__ __forceinline__ ListWalk(int pw_n, int first, int step)
+      : e(first / pw_n), pw(first - e * pw_n), step_e(step / pw_n), step_pw(step - step_e * pw_n) {}
   __device__ __forceinline__ void next(int pw_n) {
     e += step_e;
     pw += step_pw;
@@ -371,6 +375,157 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_kernel(
   }
 }
 
+// Float32 forward from bands of eight interleaved channel planes (32-byte staged pixels),
+// without shared-memory bank conflicts. Two lanes take a bin, one per half of its eight
+// channels (16 bytes each), so the eight lanes of a 16-byte load phase read the pixels of four
+// bins. Staged rows are 2 mod 4 pixels long, so pixel x of staged row r lies in 32-byte slot
+// (2r + x) mod 4 of its 128-byte line, and the four pixels of a sample, (lo, lo), (lo, hi),
+// (hi, lo), (hi, hi), in slots a, a + 1, a + 2, a + 3 (mod 4). The bin in place j of its phase
+// reads them in that cyclic order from the one in slot j, so at each of the four loads the
+// four bins of a phase read four different slots wherever their samples lie: one wavefront
+// per phase. (Bins as in roi_align_band_forward_kernel, where the eight lanes of a phase read
+// eight unrelated pixels, about 2.5 wavefronts per phase.) A bin's four terms are added in
+// that order, one multiply-add each, so its rounding differs from the gather kernels'.
+constexpr int kRotatedPixelBytes = 32;
+
+// One block per SM: its band takes the SM's shared memory.
+template <int G>
+__global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotated_kernel(
+    const float* __restrict__ input, const BandTap<float>* __restrict__ taps,
+    const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
+    BandPlan plan, int32_t discard, float* __restrict__ output) {
+  constexpr int kLane = 4;           // channels per lane: 16 bytes
+  constexpr int kPixel = 2 * kLane;  // channels per staged pixel: 32 bytes
+  using Half = Lanes<float, kLane>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int bi = static_cast<int>(blockIdx.x % plan.bands);
+  const int64_t b = blockIdx.x / plan.bands;
+  const int32_t first_row = offsets[blockIdx.x];
+  const int n = offsets[blockIdx.x + 1] - first_row;
+  if (n == 0) return;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
+  const int nc = static_cast<int>(min(sh.channels - c0, static_cast<int64_t>(sh.channels_per_block)));
+  const int pw_n = sh.pooled_width;
+  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
+  if (blockIdx.x == discard) {  // the discarded bin rows' bins of this channel group are zeros
+    const int64_t per_row = static_cast<int64_t>(nc) * pw_n;
+    for (int64_t i = threadIdx.x; i < n * per_row; i += blockDim.x) {
+      const int64_t e = i / per_row, rem = i - e * per_row;
+      const int64_t ci = rem / pw_n, pw = rem - ci * pw_n;
+      const BinRow<float> br = bin_row<float, G>(rows[first_row + e], sh, taps);
+      output[(br.k * sh.channels + c0 + ci) * bins + br.ph * pw_n + pw] = 0.f;
+    }
+    return;
+  }
+  const BandRows window = plane_band::band_rows(plan, bi, sh.height);
+  const int n_rows = window.last - window.first;
+  const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
+  const uint32_t band = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int32_t pitch = plan.stride * kRotatedPixelBytes;  // bytes per staged row
+  const int lane = static_cast<int>(threadIdx.x % 32), half = lane & 1;
+  const int place = (lane >> 1) & 3;  // the bin's place in its load phase
+  Half* const staged = reinterpret_cast<Half*>(smem);
+  for (int ci = 0; ci < nc; ci += kPixel) {
+    const int64_t c = c0 + ci;
+    // this lane's planes (channels c + kLane * half ..); past the group's last channel, the
+    // last again (staged and computed, not written)
+    const float* const lane_planes = input + (b * sh.channels + c0) * plane_size;
+    auto plane = [&](int j) { return lane_planes + min(ci + kLane * half + j, nc - 1) * plane_size; };
+    if (ci > 0) __syncthreads();  // the previous channels' band is no longer read
+    // a warp per staged row, a lane per half pixel: the warp stores 512 consecutive bytes
+    for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += static_cast<int>(blockDim.x / 32)) {
+      const int64_t row = static_cast<int64_t>(window.first + r) * sh.width;
+      Half* dst = staged + static_cast<int64_t>(r) * plan.stride * 2 + half;
+#pragma unroll 2
+      for (int x = lane >> 1; x < sh.width; x += 16) {
+        Half v;
+#pragma unroll
+        for (int j = 0; j < kLane; ++j) v.v[j] = plane(j)[row + x];
+        dst[2 * x] = v;
+      }
+    }
+    __syncthreads();
+    for (ListWalk w(pw_n, static_cast<int>(threadIdx.x >> 1), static_cast<int>(blockDim.x >> 1)); w.e < n;
+         w.next(pw_n)) {
+      const int pw = w.pw;
+      const BinRow<float> br = bin_row<float, G>(rows[first_row + w.e], sh, taps);
+      BandTap<float> ty[G], tx[G];
+      load_taps<float, G>(br.taps + br.ph * G, ty);
+      load_taps<float, G>(br.taps + (sh.pooled_height + pw) * G, tx);
+      float sum[kLane];
+#pragma unroll
+      for (int j = 0; j < kLane; ++j) sum[j] = 0.f;
+      bool in_band = true;  // ylo >= window.first: the band owns the bin row
+#pragma unroll
+      for (int q = 0; q < G; ++q) in_band = in_band && (!ty[q].valid() || ty[q].hi(sh.height) < window.last);
+      if (in_band) {
+#pragma unroll
+        for (int iy = 0; iy < G; ++iy) {
+          if (!ty[iy].valid()) continue;
+          const int ry = ty[iy].lo() - window.first;
+          const uint32_t rlo = band + static_cast<uint32_t>(ry * pitch + half * 16);
+          const uint32_t rhi = rlo + static_cast<uint32_t>((ty[iy].hi(sh.height) - ty[iy].lo()) * pitch);
+          const float yl = ty[iy].l, yh = ty[iy].h();
+#pragma unroll
+          for (int ix = 0; ix < G; ++ix) {
+            if (!tx[ix].valid()) continue;
+            const int xlo = tx[ix].lo(), xhi = tx[ix].hi(sh.width);
+            const float xl = tx[ix].l, xh = tx[ix].h();
+            // start o places along the cycle (lo, lo), (lo, hi), (hi, lo), (hi, hi)
+            const int o = (place - 2 * ry - xlo) & 3;
+            const bool ox = (o & 1) != 0, oy = (o & 2) != 0, oc = ox != oy;
+            const uint32_t col0 = static_cast<uint32_t>((ox ? xhi : xlo) * kRotatedPixelBytes);
+            const uint32_t col1 = static_cast<uint32_t>((ox ? xlo : xhi) * kRotatedPixelBytes);
+            const float wx0 = ox ? xl : xh, wx1 = ox ? xh : xl;
+            const auto v0 = load_shared_lanes<float, kLane>((oy ? rhi : rlo) + col0);
+            const auto v1 = load_shared_lanes<float, kLane>((oc ? rhi : rlo) + col1);
+            const auto v2 = load_shared_lanes<float, kLane>((oy ? rlo : rhi) + col0);
+            const auto v3 = load_shared_lanes<float, kLane>((oc ? rlo : rhi) + col1);
+            const float w0 = (oy ? yl : yh) * wx0, w1 = (oc ? yl : yh) * wx1;
+            const float w2 = (oy ? yh : yl) * wx0, w3 = (oc ? yh : yl) * wx1;
+#pragma unroll
+            for (int j = 0; j < kLane; ++j) {
+              sum[j] = fmaf(w0, v0.v[j], sum[j]);
+              sum[j] = fmaf(w1, v1.v[j], sum[j]);
+              sum[j] = fmaf(w2, v2.v[j], sum[j]);
+              sum[j] = fmaf(w3, v3.v[j], sum[j]);
+            }
+          }
+        }
+      } else {  // a bin row taller than the overlap: its pixels from global memory
+        PlaneRows<float, kLane> pixels;
+        pixels.width = sh.width;
+#pragma unroll
+        for (int j = 0; j < kLane; ++j) pixels.plane[j] = plane(j);
+#pragma unroll
+        for (int iy = 0; iy < G; ++iy) {
+          if (!ty[iy].valid()) continue;
+          const float yl = ty[iy].l, yh = ty[iy].h();
+          const auto rlo = pixels.row(ty[iy].lo()), rhi = pixels.row(ty[iy].hi(sh.height));
+#pragma unroll
+          for (int ix = 0; ix < G; ++ix) {
+            if (!tx[ix].valid()) continue;
+            const float xl = tx[ix].l, xh = tx[ix].h();
+            const int32_t xlo = tx[ix].lo() * 16, xhi = tx[ix].hi(sh.width) * 16;  // bytes of kLane values
+            const auto v1 = pixels.at(rlo, xlo), v2 = pixels.at(rlo, xhi);
+            const auto v3 = pixels.at(rhi, xlo), v4 = pixels.at(rhi, xhi);
+#pragma unroll
+            for (int j = 0; j < kLane; ++j) {
+              sum[j] += (yh * xh) * v1.v[j] + (yh * xl) * v2.v[j] +
+                  (yl * xh) * v3.v[j] + (yl * xl) * v4.v[j];
+            }
+          }
+        }
+      }
+      float* out = output + (br.k * sh.channels + c + kLane * half) * bins + br.ph * pw_n + pw;
+#pragma unroll
+      for (int j = 0; j < kLane; ++j) {
+        if (ci + kLane * half + j < nc) out[j * bins] = sum[j] / static_cast<float>(G * G);
+      }
+    }
+  }
+}
+
 template <typename scalar_t, typename acc_t, int G>
 __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
     const scalar_t* __restrict__ grad, const BandTap<acc_t>* __restrict__ taps,
@@ -528,6 +683,29 @@ BandPlan band_plan(int64_t height, int64_t width, int64_t elem_bytes, int64_t bu
   return plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(budget, 0));
 }
 
+// The band plan of roi_align_band_forward_rotated_kernel for an H x W plane: 32-byte pixels
+// in rows of 2 mod 4 pixels, as many rows as a block's shared memory holds. The overlap holds
+// the bin rows of RoIs up to half the map's height wherever they start (their sample rows span
+// about H / 2 / pooled_height * (grid - 1) / grid + 2 pixel rows: 10 for 7x7 bins of a
+// 200-row map, 6 for 14x14 ones), at most 3/8 of the rows; taller bin rows read global memory.
+BandPlan rotated_plan(int64_t height, int64_t width, int64_t pooled_height, int64_t grid) {
+  BandPlan p;
+  if (height <= 0 || width <= 0 || width > (1 << 20)) return p;
+  const int64_t stride = width + (6 - width % 4) % 4;
+  const int64_t fit = plane_band::band_budget(1 << 30, 0) / (stride * kRotatedPixelBytes);
+  if (fit < 16) return p;
+  const int64_t rows = std::min<int64_t>(fit, height);
+  const int64_t span = cuda::ceil_div(height * (grid - 1), 2 * pooled_height * grid) + 2;
+  const int64_t overlap = rows >= height ? 0 : std::clamp<int64_t>(span - 1, 1, rows * 3 / 8);
+  p.stride = static_cast<int>(stride);
+  p.core = static_cast<int>(rows - overlap);
+  p.overlap = static_cast<int>(overlap);
+  p.bands = static_cast<int>(cuda::ceil_div(height, rows - overlap));
+  p.smem_bytes = rows * stride * kRotatedPixelBytes;
+  p.ok = true;
+  return p;
+}
+
 // Whether the band kernels take these shapes and RoIs (on top of roi_kernel()). Under kAuto,
 // measured on an H200 (BENCHMARKS.md): the band backward beats the atomic scatter once the
 // samples read about as many pixels as the maps hold; the band forward beats the tiled gather
@@ -629,6 +807,28 @@ bool roi_align_forward_band(
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_align", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    // float32 maps whose bands of 32-byte pixels hold 16 rows or more: the conflict-free
+    // kernel (BENCHMARKS.md, "roi_align band forward without bank conflicts"). For 16-bit maps
+    // it measured slower than the kernel below (bands of 8-byte pixels, two blocks per SM).
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      const BandPlan rplan = rotated_plan(height, width, pooled_height, sampling_ratio);
+      if (rplan.ok) {
+        const BandSetup s = setup_bands<float>(
+            rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
+            spatial_scale, rplan, stream, kRotatedPixelBytes / sizeof(float), /*check=*/true);
+        const dim3 grid(s.grid.x + 1, s.grid.y);
+        with_grid(sampling_ratio, [&](auto g) {
+          constexpr int G = decltype(g)::value;
+          auto kernel = roi_align_band_forward_rotated_kernel<G>;
+          plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
+          kernel<<<grid, kWideBandThreads, s.smem, stream>>>(
+              input.const_data_ptr<scalar_t>(), s.tap_ptr<float>(), s.offsets(), s.rows(), s.shape, s.plan,
+              static_cast<int32_t>(s.num_keys), output.data_ptr<scalar_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+        return;
+      }
+    }
     // Channels per staged pixel (BENCHMARKS.md, "roi_align band forward"): four (16 bytes of
     // float, 8 of half or bfloat16), two of double; fewer where a band would hold too few rows.
     // Float bins as tall as 7x7 ones or taller get bands of twice the shared memory, in blocks
