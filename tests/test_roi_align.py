@@ -721,7 +721,7 @@ def test_cuda_band_kernels_dtypes(dtype, case):
 @pytest.mark.cuda
 def test_cuda_band_kernels_run_when_chosen():
     # Which kernels run: under 'auto' the band backward for dense RoIs and the band forward
-    # only when the maps outgrow L2 as well; every band kernel under 'band'; none under
+    # only when the maps are large as well; every band kernel under 'band'; none under
     # 'gather', for sparse RoIs under 'auto', or for the deterministic backward.
     from torch.profiler import ProfilerActivity, profile
 
@@ -748,6 +748,13 @@ def test_cuda_band_kernels_run_when_chosen():
     assert "band_" not in kernels("auto", small, dense_small[:4])
     with deterministic_algorithms(True):
         assert "band_backward" not in kernels("band", small, dense_small)  # the deterministic gather
+    # float32 maps that take the conflict-free band forward take it under 'auto' from about
+    # 10 MiB on; other dtypes from 48 MiB on
+    mid = torch.randn(2, 32, 160, 304, device="cuda", requires_grad=True)  # 11.9 MiB
+    dense_mid = dense_rois(2, 600, 160, 304, 2, 60, 0.25, seed=2).float().cuda()
+    assert "band_forward_rotated" in kernels("auto", mid, dense_mid)
+    mid_half = mid.detach().half().requires_grad_()
+    assert "band_forward" not in kernels("auto", mid_half, dense_mid.half())
 
 
 @pytest.mark.cuda

@@ -709,8 +709,9 @@ BandPlan rotated_plan(int64_t height, int64_t width, int64_t pooled_height, int6
 // Whether the band kernels take these shapes and RoIs (on top of roi_kernel()). Under kAuto,
 // measured on an H200 (BENCHMARKS.md): the band backward beats the atomic scatter once the
 // samples read about as many pixels as the maps hold; the band forward beats the tiled gather
-// only when the maps outgrow L2 (the gather's repeated sectors then come from DRAM) and the
-// samples read each pixel several times over.
+// when the samples read each pixel several times over and the maps outgrow L2 (the gather's
+// repeated sectors then come from DRAM), or, for float32 maps that take the conflict-free
+// kernel, from about 11 MiB of maps on.
 bool band_applies(
     bool forward, int64_t batch, int64_t channels, int64_t height, int64_t width,
     int64_t num_rois, int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
@@ -731,7 +732,8 @@ bool band_applies(
       sampling_ratio * sampling_ratio * 4;
   const double pixels = static_cast<double>(batch) * height * width;
   if (!forward) return fetches >= pixels;
-  return fetches >= 4.0 * pixels && pixels * channels * elem_bytes >= 48.0 * (1 << 20);
+  const bool rotated = elem_bytes == 4 && rotated_plan(height, width, pooled_height, sampling_ratio).ok;
+  return fetches >= 4.0 * pixels && pixels * channels * elem_bytes >= (rotated ? 10.0 : 48.0) * (1 << 20);
 }
 
 template <typename acc_t>
@@ -812,7 +814,7 @@ bool roi_align_forward_band(
     // it measured slower than the kernel below (bands of 8-byte pixels, two blocks per SM).
     if constexpr (std::is_same_v<scalar_t, float>) {
       const BandPlan rplan = rotated_plan(height, width, pooled_height, sampling_ratio);
-      if (rplan.ok) {
+      if (rplan.ok && batch * rplan.bands < (int64_t{1} << 30)) {
         const BandSetup s = setup_bands<float>(
             rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
             spatial_scale, rplan, stream, kRotatedPixelBytes / sizeof(float), /*check=*/true);
