@@ -758,23 +758,31 @@ def test_cuda_band_kernels_run_when_chosen():
 
 
 @pytest.mark.cuda
-def test_cuda_band_forward_kernel_by_dtype_and_width():
-    # float32 maps take the conflict-free forward (eight channels per staged pixel) where its
-    # bands hold 16 rows or more; 16-bit and float64 maps, and float32 maps too wide for it,
-    # the four- or two-channel one. All agree with the gather kernel.
+def test_cuda_band_kernels_by_dtype_and_width():
+    # float32 maps take the conflict-free band kernels (eight channels per staged pixel) where
+    # their bands hold 16 rows or more; 16-bit and float64 maps, and float32 maps too wide for
+    # them, the kernels that stage fewer channels. All agree with the gather kernels.
     from torch.profiler import ProfilerActivity, profile
 
     from detops.ops._utils import roi_kernel
 
-    def forward_kernels(x, rois):
+    def band_kernels(x, rois, grad):
+        xb = x.clone().requires_grad_()
         with roi_kernel("band"), profile(activities=[ProfilerActivity.CUDA]) as prof:
-            out = roi_align(x, rois, 7, 0.5, 2, True)
+            out = roi_align(xb, rois, 7, 0.5, 2, True)
+            out.backward(grad)
             torch.cuda.synchronize()
+        xg = x.clone().requires_grad_()
         with roi_kernel("gather"):
-            ref = roi_align(x, rois, 7, 0.5, 2, True)
+            ref = roi_align(xg, rois, 7, 0.5, 2, True)
+            ref.backward(grad)
         tol = 1e-5 if x.dtype in (torch.float32, torch.float64) else LOW_TOL[x.dtype]
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
-        return {"rotated" if "band_forward_rotated_kernel" in e.name else "other" for e in prof.events() if "band_forward" in e.name}
+        gs = max(1.0, xg.grad.float().abs().max().item())
+        torch.testing.assert_close(xb.grad.float(), xg.grad.float(), rtol=tol, atol=2 * tol * gs)
+        names = [e.name for e in prof.events()]
+        return ({"rotated" if "rotated" in n else "other" for n in names if "band_forward" in n},
+                {"rotated" if "rotated" in n else "other" for n in names if "band_backward" in n})
 
     # rows of 32-byte pixels a block's shared memory holds, rows padded to 2 mod 4 pixels
     optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
@@ -785,8 +793,9 @@ def test_cuda_band_forward_kernel_by_dtype_and_width():
                          (300, torch.bfloat16), (300, torch.float16), (300, torch.float64)]:
         x = torch.randn(2, 12, 60, width, generator=g).to("cuda", dtype)
         rois = dense_rois(2, 150, 60, width, 2, 40, 0.5, seed=width).to("cuda", dtype)
-        rotated = dtype == torch.float32 and rows(width) >= 16
-        assert forward_kernels(x, rois) == {"rotated" if rotated else "other"}, (width, dtype)
+        grad = torch.randn(150, 12, 7, 7, generator=g).to("cuda", dtype)
+        kind = "rotated" if dtype == torch.float32 and rows(width) >= 16 else "other"
+        assert band_kernels(x, rois, grad) == ({kind}, {kind}), (width, dtype)
 
 
 @pytest.mark.cuda

@@ -27,7 +27,9 @@
 // bands) take roi_align_band_forward_kernel: two or four channels per pixel, a bin the same
 // sum, term for term, as in the tiled gather kernel.
 // Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
-// shared memory with shared-memory atomics, then writes the band out. Rows that two bands
+// shared memory with shared-memory atomics, then writes the band out (float32 gradients in
+// roi_align_band_backward_rotated_kernel: eight channels per staged pixel, every warp-wide
+// add on 32 different banks; others one channel at a time). Rows that two bands
 // stage (the first `overlap` rows of every band but the first) are zeroed beforehand and
 // added with global atomics; every other row is written once with a plain store, so grad_input
 // needs no zeroing. Pixels past a block's window are left to band_tail_backward_kernel, which
@@ -603,6 +605,129 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
   }
 }
 
+// Float32 backward into bands of eight interleaved channel planes, the forward's rotated
+// layout: two lanes take a bin, one per half of its eight channels, and add its samples'
+// pixels in the cyclic order that puts the four bins of a load phase on four different 32-byte
+// slots. A lane's four channels of one pixel are four adds; the s-th goes to channel
+// (s + p) mod 4 of its half, p the lane's phase in the warp, so that the four phases of a warp
+// hit different banks as well: every warp-wide add touches 32 different banks and takes one
+// round of the shared-memory add (against about 3.2 rounds in roi_align_band_backward_kernel,
+// BENCHMARKS.md, "roi_align backward without shared-memory atomics").
+template <int G>
+__global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rotated_kernel(
+    const float* __restrict__ grad, const BandTap<float>* __restrict__ taps,
+    const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
+    BandPlan plan, float* __restrict__ grad_input) {
+  constexpr int kLane = 4;           // channels per lane
+  constexpr int kPixel = 2 * kLane;  // channels per staged pixel
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int bi = static_cast<int>(blockIdx.x % plan.bands);
+  const int64_t b = blockIdx.x / plan.bands;
+  const int32_t first_row = offsets[blockIdx.x];
+  const int n = offsets[blockIdx.x + 1] - first_row;
+  const BandRows window = plane_band::band_rows(plan, bi, sh.height);
+  const int n_rows = window.last - window.first;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
+  const int nc = static_cast<int>(min(sh.channels - c0, static_cast<int64_t>(sh.channels_per_block)));
+  const int pw_n = sh.pooled_width;
+  const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
+  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
+  const uint32_t band = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int32_t pitch = plan.stride * kRotatedPixelBytes;
+  const int lane = static_cast<int>(threadIdx.x % 32), half = lane & 1;
+  const int place = (lane >> 1) & 3, phase = (lane >> 3) & 3;
+  const int warps = static_cast<int>(blockDim.x / 32);
+  float4* const staged = reinterpret_cast<float4*>(smem);
+  const int staged_vectors = n_rows * plan.stride * 2;
+  for (int ci = 0; ci < nc; ci += kPixel) {
+    if (ci > 0) __syncthreads();  // the previous channels' band is written out
+    for (int i = static_cast<int>(threadIdx.x); i < staged_vectors; i += static_cast<int>(blockDim.x)) {
+      staged[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    __syncthreads();
+    // the lane's s-th add of a pixel goes to its channel (s + phase) mod 4
+    int32_t channel_bytes[kLane];
+#pragma unroll
+    for (int s = 0; s < kLane; ++s) channel_bytes[s] = ((s + phase) & 3) * 4;
+    for (ListWalk w(pw_n, static_cast<int>(threadIdx.x >> 1), static_cast<int>(blockDim.x >> 1)); w.e < n;
+         w.next(pw_n)) {
+      const int pw = w.pw;
+      const BinRow<float> br = bin_row<float, G>(rows[first_row + w.e], sh, taps);
+      float gv[kLane];
+      bool any = false;
+#pragma unroll
+      for (int s = 0; s < kLane; ++s) {
+        const int ch = ci + kLane * half + ((s + phase) & 3);
+        // the same expression as roi_align_band_backward_kernel: go / count
+        gv[s] = ch < nc ? grad[(br.k * sh.channels + c0 + ch) * bins + br.ph * pw_n + pw] / static_cast<float>(G * G)
+                        : 0.f;
+        any = any || gv[s] != 0.f;
+      }
+      if (!any) continue;
+      BandTap<float> ty[G], tx[G];
+      load_taps<float, G>(br.taps + br.ph * G, ty);
+      load_taps<float, G>(br.taps + (sh.pooled_height + pw) * G, tx);
+#pragma unroll
+      for (int iy = 0; iy < G; ++iy) {
+        if (!ty[iy].valid()) continue;
+        const int32_t ylo = ty[iy].lo(), yhi = ty[iy].hi(sh.height);
+        // pixel rows past the window are added by band_tail_backward_kernel
+        const bool lo_in = ylo < window.last, hi_in = yhi < window.last;
+        const int ry = ylo - window.first;
+        const uint32_t rlo = band + static_cast<uint32_t>(ry * pitch + half * 16);
+        const uint32_t rhi = rlo + static_cast<uint32_t>((yhi - ylo) * pitch);
+        const float yl = ty[iy].l, yh = ty[iy].h();
+#pragma unroll
+        for (int ix = 0; ix < G; ++ix) {
+          if (!tx[ix].valid()) continue;
+          const int xlo = tx[ix].lo(), xhi = tx[ix].hi(sh.width);
+          const float xl = tx[ix].l, xh = tx[ix].h();
+          const int o = (place - 2 * ry - xlo) & 3;
+          const bool ox = (o & 1) != 0, oy = (o & 2) != 0, oc = ox != oy;
+          const uint32_t col0 = static_cast<uint32_t>((ox ? xhi : xlo) * kRotatedPixelBytes);
+          const uint32_t col1 = static_cast<uint32_t>((ox ? xlo : xhi) * kRotatedPixelBytes);
+          const float wx0 = ox ? xl : xh, wx1 = ox ? xh : xl;
+          // the four pixels in the phase's order: (row is hi, address, weight)
+          const bool hi_t[4] = {oy, oc, !oy, !oc};
+          const uint32_t addr[4] = {(oy ? rhi : rlo) + col0, (oc ? rhi : rlo) + col1, (oy ? rlo : rhi) + col0,
+                                    (oc ? rlo : rhi) + col1};
+          const float wt[4] = {(oy ? yl : yh) * wx0, (oc ? yl : yh) * wx1, (oy ? yh : yl) * wx0,
+                               (oc ? yh : yl) * wx1};
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            if (!(hi_t[t] ? hi_in : lo_in)) continue;
+#pragma unroll
+            for (int s = 0; s < kLane; ++s) add_shared(addr[t] + static_cast<uint32_t>(channel_bytes[s]), wt[t] * gv[s]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+    // a warp per staged row, a lane per half pixel: rows two bands stage are added with global
+    // atomics, the others stored
+    for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += warps) {
+      const int y = window.first + r;
+      const bool shared = plane_band::shared_row(plan, bi, y);
+      const float4* src = staged + static_cast<int64_t>(r) * plan.stride * 2 + half;
+      float* dst = grad_input + (b * sh.channels + c0 + ci + kLane * half) * plane_size + static_cast<int64_t>(y) * sh.width;
+      for (int x = lane >> 1; x < sh.width; x += 16) {
+        const float4 v4 = src[2 * x];
+        const float v[kLane] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+        for (int j = 0; j < kLane; ++j) {
+          if (ci + kLane * half + j >= nc) continue;
+          float* d = dst + j * plane_size + x;
+          if (shared) {
+            if (v[j] != 0.f) gpuAtomicAdd(d, v[j]);
+          } else {
+            *d = v[j];
+          }
+        }
+      }
+    }
+  }
+}
+
 // After the band kernel: the pixels of tall bin rows that lie past their owner's window,
 // with global atomics. One thread per (bin row, channel); most return at once.
 template <typename scalar_t, typename acc_t>
@@ -895,6 +1020,32 @@ bool roi_align_backward_band(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "detops._roi_align_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     TORCH_INTERNAL_ASSERT(grad_input.scalar_type() == c10::CppTypeToScalarType<acc_t>::value);
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      // float32 gradients of maps the conflict-free forward takes: the conflict-free backward
+      // (BENCHMARKS.md, "roi_align band backward without bank conflicts").
+      const BandPlan rplan = rotated_plan(height, width, pooled_height, sampling_ratio);
+      if (rplan.ok && batch * rplan.bands < (int64_t{1} << 30)) {
+        const BandSetup s = setup_bands<float>(
+            rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
+            aligned, spatial_scale, rplan, stream, kRotatedPixelBytes / sizeof(float));
+        plane_band::zero_shared_rows(grad_input.data_ptr<float>(), batch * channels, height, width, s.plan, stream);
+        with_grid(sampling_ratio, [&](auto gc) {
+          auto kernel = roi_align_band_backward_rotated_kernel<decltype(gc)::value>;
+          plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
+          kernel<<<s.grid, kWideBandThreads, s.smem, stream>>>(
+              g.const_data_ptr<float>(), s.tap_ptr<float>(), s.offsets(), s.rows(), s.shape, s.plan,
+              grad_input.data_ptr<float>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+        const int64_t tail_items = rois.size(0) * pooled_height * channels;
+        band_tail_backward_kernel<float, float><<<cuda::grid_for(tail_items, 256), 256, 0, stream>>>(
+            g.const_data_ptr<float>(), s.tap_ptr<float>(), s.keys(), s.tall, rois.size(0), s.shape,
+            static_cast<int>(sampling_ratio), static_cast<float>(sampling_ratio * sampling_ratio), s.plan,
+            grad_input.data_ptr<float>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
+    }
     const BandSetup s = setup_bands<acc_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
         aligned, spatial_scale, band_plan(height, width, sizeof(acc_t)), stream);
