@@ -574,8 +574,11 @@ DET_CASES = {
     "outside": ("outside", 2, 4, 30, 26, 200, 5, 2, False),
     "many_images": ("random", 7, 6, 24, 20, 150, 7, 2, True),
     "one_image": ("one_image", 3, 5, 40, 48, 200, 7, 2, True),
-    # 14x14 with hundreds of RoIs in one image: several shared-memory chunks in float64
-    "14x14_chunks": ("one_image", 2, 3, 64, 64, 700, 14, 2, True),
+    # 14x14 with hundreds of RoIs in one image: 2.2 M entries in one image's lists
+    "14x14_one_image": ("one_image", 2, 3, 64, 64, 700, 14, 2, True),
+    # two groups of 32 channels, the second partial; planes of 1020 pixels (runs of 128, the
+    # last partial)
+    "37_channels": ("random", 2, 37, 30, 34, 120, 7, 2, True),
     "14x14_adaptive": ("random", 2, 9, 50, 60, 250, 14, 0, True),
 }
 

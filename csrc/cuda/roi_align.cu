@@ -18,8 +18,8 @@
 //          sorted order, and writes the element once.
 //     Bit-identical from run to run. The list length is known on the host when
 //     sampling_ratio > 0; with an adaptive grid one sync reads it.
-//     Shapes that fit take the staged gather of roi_align_det.cu first (per-image lists,
-//     gradients staged in shared memory); this path serves the rest.
+//     Shapes that fit take the gather of roi_align_det.cu first (per-image lists, the
+//     gradient read through rows of 32 channels); this path serves the rest.
 // rois[:, 0] must hold integers in [0, B): a RoI whose batch index is not one contributes
 // nothing in every kernel, and an asynchronous device assert reports it without a host sync.
 #include <ATen/ATen.h>
@@ -42,7 +42,7 @@
 namespace detops {
 namespace ops {
 
-// roi_align_det.cu: the deterministic backward through a staged gather; false for shapes it
+// roi_align_det.cu: the deterministic backward through a channel-row gather; false for shapes it
 // does not take, which run the general sort-based path below.
 bool roi_align_backward_deterministic_staged(
     const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,

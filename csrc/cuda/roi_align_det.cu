@@ -1,23 +1,25 @@
-// Deterministic RoIAlign backward on CUDA: a gather over pixel-sorted contribution lists, with
-// the gradient of each image's RoIs staged in shared memory one channel group at a time.
+// Deterministic RoIAlign backward on CUDA: a gather over pixel-sorted contribution lists,
+// reading the gradient through a copy whose rows hold a bin's channels side by side.
 //
 // The contributions of bilinear sampling (pixel, source bin, weight) do not depend on the
 // channel. They are listed once:
 //   1. RoIs are ranked within their image (a stable sort by batch index, so ranks follow the
-//      RoI order); rank r falls in chunk r / rois_per_chunk at slot r % rois_per_chunk.
-//   2. one thread per (RoI, bin) writes the bin's contributions: the key
-//      (image, chunk, pixel) and the entry (slot * bins + bin, weight);
-//   3. a stable sort by key groups each pixel's contributions per chunk, in list order (RoI
-//      index, then bin, then sample), and searchsorted finds each (image, chunk, pixel) segment.
-// Then one block per (image, group of G channels), for each chunk of the image's RoIs in turn:
-// copies grad[RoIs of the chunk, channels of the group, :, :] into shared memory (coalesced
-// runs of a RoI's bins), and each thread, owning pixels p = tid, tid + blockDim, ..., sums its
-// pixel's entries in list order for the G channels. Every grad_input element is written once,
-// with plain stores of consecutive pixels; no zeroing, no atomics. An image whose RoIs span
-// several chunks carries the running sums between chunks in an acc_t buffer, so the additions
-// are the same, in the same order, as one pass over the whole list.
-// Bit-identical from run to run. Shapes it does not fit (a bin row too wide for shared memory,
-// huge key ranges) return false, and the caller runs the general sort-based path.
+//      RoI order);
+//   2. one thread per (RoI, bin) writes the bin's contributions: the key (image, pixel) and
+//      the entry (rank * bins + bin, weight);
+//   3. a stable sort by key groups each pixel's contributions, in list order (RoI index, then
+//      bin, then sample), and searchsorted finds each (image, pixel) segment.
+// Then the gradient is copied so that row (RoI in rank order, bin) holds its channels side by
+// side, and one block per (image, run of pixels, group of 32 channels) sums, with a warp per
+// pixel and a lane per channel, the pixel's entries in list order: each entry is one 128-byte
+// row read for 32 channels. The block writes each channel's run of pixels with consecutive
+// stores: every grad_input element is written once, with no zeroing and no atomics. (The
+// gather this one replaced staged a chunk of RoIs' gradients in shared memory for four
+// channels at a time, so it read the list once per four channels and carried running sums
+// between chunks; the additions, and so the bits, are the same. BENCHMARKS.md, "roi_align
+// deterministic backward through channel rows".)
+// Bit-identical from run to run. Shapes it does not fit (launch grids or int32 slots out of
+// range, huge key ranges) return false, and the caller runs the general sort-based path.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -25,7 +27,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
 #include <limits>
 
 #include "../common/checks.h"
@@ -87,10 +88,9 @@ __global__ void det_contribution_kernel(
     int64_t total_bins, const acc_t* __restrict__ rois, int64_t batch, int64_t height,
     int64_t width, int64_t pooled_height, int64_t pooled_width, acc_t scale,
     int64_t sampling_ratio, bool aligned, const int64_t* __restrict__ first, int64_t per_roi,
-    const int64_t* __restrict__ rank, int64_t rois_per_chunk, int64_t max_chunks,
-    key_t* __restrict__ keys, DetEntry<acc_t>* __restrict__ entries) {
+    const int64_t* __restrict__ rank, key_t* __restrict__ keys, DetEntry<acc_t>* __restrict__ entries) {
   const int64_t plane = height * width;
-  const key_t sentinel = static_cast<key_t>(batch * max_chunks * plane);
+  const key_t sentinel = static_cast<key_t>(batch * plane);
   const int64_t bins = pooled_height * pooled_width;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
        idx < total_bins; idx += static_cast<int64_t>(blockDim.x) * gridDim.x) {
@@ -112,10 +112,8 @@ __global__ void det_contribution_kernel(
       }
       continue;
     }
-    const int64_t rk = rank[k];
-    const int64_t chunk = rk / rois_per_chunk;
-    const int32_t src = static_cast<int32_t>((rk - chunk * rois_per_chunk) * bins + bin);
-    const int64_t base = (b * max_chunks + chunk) * plane;
+    const int32_t src = static_cast<int32_t>(rank[k] * bins + bin);
+    const int64_t base = b * plane;
     const int64_t ph = bin / pooled_width, pw = bin % pooled_width;
     BilinearSample<acc_t> s;
     for (int64_t iy = 0; iy < r.grid_h; ++iy) {
@@ -154,117 +152,91 @@ __global__ void det_permute_kernel(
   }
 }
 
-// A block per (image, group of G channels); see the top of the file. Shared memory holds
-// [G][rois_per_chunk * bins] gradient values in scalar_t (converted to acc_t when read, as the
-// other kernels do).
-template <typename scalar_t, typename acc_t, int G>
-__global__ void __launch_bounds__(kGatherThreads) roi_align_det_gather_kernel(
-    const scalar_t* __restrict__ grad, const int64_t* __restrict__ order,
-    const int64_t* __restrict__ starts, const int64_t* __restrict__ segment,
-    const DetEntry<acc_t>* __restrict__ entries, int64_t channels, int64_t plane, int bins,
-    int rois_per_chunk, int64_t max_chunks, int64_t channel_groups, acc_t* __restrict__ partial,
-    scalar_t* __restrict__ grad_input) {
-  extern __shared__ __align__(16) unsigned char det_smem[];
-  scalar_t* stage = reinterpret_cast<scalar_t*>(det_smem);
-  const int64_t stride = static_cast<int64_t>(rois_per_chunk) * bins;
-  const int64_t b = blockIdx.x / channel_groups;
-  const int64_t c0 = (blockIdx.x - b * channel_groups) * G;
-  const int nc = static_cast<int>(min(channels - c0, static_cast<int64_t>(G)));
-  const int64_t start = starts[b];
-  const int64_t n = starts[b + 1] - start;
-  const int64_t chunks = (n + rois_per_chunk - 1) / rois_per_chunk;
-  scalar_t* out = grad_input + (b * channels + c0) * plane;
-  acc_t* part = partial != nullptr ? partial + (b * channels + c0) * plane : nullptr;
-  if (chunks == 0) {
-    for (int64_t p = threadIdx.x; p < plane; p += blockDim.x) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        if (g < nc) out[g * plane + p] = scalar_t(0);
-      }
-    }
-    return;
+// The transposed gather (one chunk per image): grad rows of a RoI's bin hold its channels side
+// by side, so that a warp reads one contribution's 32 channels as one 128-byte line.
+// gt[(i * bins + bin) * channels + c] = grad[(order[i] * channels + c) * bins + bin], i the
+// RoI's position in `order`. Blocks of 32 x 8 threads, a 32 x 32 tile of (channel, bin) each.
+constexpr int kTile = 32;
+
+template <typename scalar_t>
+__global__ void det_transpose_kernel(
+    const scalar_t* __restrict__ grad, const int64_t* __restrict__ order, int64_t channels,
+    int bins, int64_t bin_tiles, scalar_t* __restrict__ gt) {
+  __shared__ scalar_t tile[kTile][kTile + 1];
+  const int64_t i = blockIdx.x / bin_tiles;
+  const int bin0 = static_cast<int>(blockIdx.x - i * bin_tiles) * kTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t k = order[i];
+  for (int cy = threadIdx.y; cy < kTile; cy += blockDim.y) {
+    const int64_t c = c0 + cy;
+    const int bin = bin0 + static_cast<int>(threadIdx.x);
+    if (c < channels && bin < bins) tile[cy][threadIdx.x] = grad[(k * channels + c) * bins + bin];
   }
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    if (ch > 0) __syncthreads();  // the previous chunk's reads of `stage` are done
-    const int64_t r0 = ch * rois_per_chunk;
-    const int64_t items = min(static_cast<int64_t>(rois_per_chunk), n - r0) * bins;
-    for (int g = 0; g < nc; ++g) {
-      for (int64_t i = threadIdx.x; i < items; i += blockDim.x) {
-        const int64_t r = i / bins;
-        const int64_t bin = i - r * bins;
-        const int64_t k = order[start + r0 + r];
-        stage[g * stride + i] = grad[(k * channels + c0 + g) * bins + bin];
-      }
-    }
-    __syncthreads();
-    const bool first_chunk = ch == 0, last_chunk = ch == chunks - 1;
-    const int64_t* seg = segment + (b * max_chunks + ch) * plane;
-    for (int64_t p = threadIdx.x; p < plane; p += blockDim.x) {
-      acc_t sum[G];
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        sum[g] = !first_chunk && g < nc ? part[g * plane + p] : acc_t(0);
-      }
+  __syncthreads();
+  for (int by = threadIdx.y; by < kTile; by += blockDim.y) {
+    const int bin = bin0 + by;
+    const int64_t c = c0 + threadIdx.x;
+    if (c < channels && bin < bins) gt[(i * bins + bin) * channels + c] = tile[threadIdx.x][by];
+  }
+}
+
+// A block per (image, run of kRunPixels pixels, group of 32 channels): each warp sums one
+// pixel at a time, lane c its channel, over the pixel's entries in list order, then the block
+// writes each channel's run of pixels with consecutive stores.
+constexpr int kRunPixels = 128;
+
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kGatherThreads) roi_align_det_transposed_kernel(
+    const scalar_t* __restrict__ gt, const int64_t* __restrict__ starts,
+    const int64_t* __restrict__ segment, const DetEntry<acc_t>* __restrict__ entries,
+    int64_t channels, int64_t plane, int bins, int64_t runs, scalar_t* __restrict__ grad_input) {
+  __shared__ acc_t sums[kTile][kRunPixels + 1];
+  const int64_t b = blockIdx.x / runs;
+  const int64_t p0 = (blockIdx.x - b * runs) * kRunPixels;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int warps = static_cast<int>(blockDim.x / 32);
+  const int64_t c = c0 + lane;
+  const bool live = c < channels;
+  const scalar_t* rows = gt + starts[b] * bins * channels + (live ? c : 0);
+  const int64_t* seg = segment + b * plane;
+  for (int q = warp; q < kRunPixels; q += warps) {
+    const int64_t p = p0 + q;
+    acc_t sum = acc_t(0);
+    if (p < plane) {
       const int64_t e_end = seg[p + 1];
       int64_t j = seg[p];
       // two entries per step, loaded before use; the additions stay in list order
       for (; j + 1 < e_end; j += 2) {
         const DetEntry<acc_t> e0 = entries[j];
         const DetEntry<acc_t> e1 = entries[j + 1];
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          if (g < nc) sum[g] += e0.w * static_cast<acc_t>(stage[g * stride + e0.src]);
-        }
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          if (g < nc) sum[g] += e1.w * static_cast<acc_t>(stage[g * stride + e1.src]);
-        }
+        const acc_t v0 = static_cast<acc_t>(rows[static_cast<int64_t>(e0.src) * channels]);
+        const acc_t v1 = static_cast<acc_t>(rows[static_cast<int64_t>(e1.src) * channels]);
+        sum += e0.w * v0;
+        sum += e1.w * v1;
       }
       if (j < e_end) {
         const DetEntry<acc_t> e0 = entries[j];
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          if (g < nc) sum[g] += e0.w * static_cast<acc_t>(stage[g * stride + e0.src]);
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        if (g >= nc) continue;
-        if (last_chunk) {
-          out[g * plane + p] = static_cast<scalar_t>(sum[g]);
-        } else {
-          part[g * plane + p] = sum[g];
-        }
+        sum += e0.w * static_cast<acc_t>(rows[static_cast<int64_t>(e0.src) * channels]);
       }
     }
+    sums[lane][q] = sum;
   }
-}
-
-template <typename scalar_t, int G>
-void launch_gather(
-    const at::Tensor& g, const at::Tensor& order, const at::Tensor& starts,
-    const at::Tensor& segment, const at::Tensor& entries, int64_t batch, int64_t channels,
-    int64_t plane, int bins, int rois_per_chunk, int64_t max_chunks, at::Tensor& partial,
-    at::Tensor& grad_input, size_t smem_bytes, cudaStream_t stream) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const int64_t channel_groups = (channels + G - 1) / G;
-  auto kernel = roi_align_det_gather_kernel<scalar_t, acc_t, G>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
-  kernel<<<static_cast<unsigned>(batch * channel_groups), kGatherThreads, smem_bytes, stream>>>(
-      g.const_data_ptr<scalar_t>(), order.const_data_ptr<int64_t>(),
-      starts.const_data_ptr<int64_t>(), segment.const_data_ptr<int64_t>(),
-      reinterpret_cast<const DetEntry<acc_t>*>(entries.const_data_ptr()), channels, plane, bins,
-      rois_per_chunk, max_chunks, channel_groups,
-      partial.defined() ? partial.data_ptr<acc_t>() : nullptr, grad_input.data_ptr<scalar_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  __syncthreads();
+  for (int r = warp; r < kTile; r += warps) {
+    const int64_t cr = c0 + r;
+    if (cr >= channels) break;
+    scalar_t* out = grad_input + (b * channels + cr) * plane;
+    for (int q = lane; q < kRunPixels; q += 32) {
+      if (p0 + q < plane) out[p0 + q] = static_cast<scalar_t>(sums[r][q]);
+    }
+  }
 }
 
 template <typename scalar_t, typename key_t>
 void det_backward(
     const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, int64_t sampling_ratio, bool aligned, int group, int64_t rois_per_chunk,
-    int64_t max_chunks, size_t smem_bytes, at::Tensor& grad_input) {
+    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& grad_input) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t batch = grad_input.size(0), channels = grad_input.size(1);
   const int64_t height = grad_input.size(2), width = grad_input.size(3);
@@ -324,7 +296,7 @@ void det_backward(
         <<<cuda::grid_for(total_bins, kRankThreads), kRankThreads, 0, stream>>>(
             total_bins, roi_ptr, batch, height, width, pooled_height, pooled_width, scale,
             sampling_ratio, aligned, first.defined() ? first.const_data_ptr<int64_t>() : nullptr,
-            per_roi, rank.const_data_ptr<int64_t>(), rois_per_chunk, max_chunks,
+            per_roi, rank.const_data_ptr<int64_t>(),
             keys.data_ptr<key_t>(), reinterpret_cast<DetEntry<acc_t>*>(entries.data_ptr()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -342,34 +314,34 @@ void det_backward(
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   const at::Tensor segment = at::searchsorted(
-      sorted_keys, at::arange(batch * max_chunks * plane + 1, grad.options().dtype(key_dtype)),
+      sorted_keys, at::arange(batch * plane + 1, grad.options().dtype(key_dtype)),
       /*out_int32=*/false, /*right=*/false);
 
-  // 4. The gather.
+  // 4. The gather: grad rows of 32 channels, then a warp per pixel.
   const at::Tensor g = grad.contiguous();
-  at::Tensor partial;
-  if (max_chunks > 1) {
-    partial = at::empty({batch, channels, height, width}, grad.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-  }
-  const int b32 = static_cast<int>(bins), rpc32 = static_cast<int>(rois_per_chunk);
-  switch (group) {
-    case 4:
-      launch_gather<scalar_t, 4>(g, order, starts, segment, sorted_entries, batch, channels, plane, b32, rpc32, max_chunks, partial, grad_input, smem_bytes, stream);
-      break;
-    case 2:
-      launch_gather<scalar_t, 2>(g, order, starts, segment, sorted_entries, batch, channels, plane, b32, rpc32, max_chunks, partial, grad_input, smem_bytes, stream);
-      break;
-    default:
-      launch_gather<scalar_t, 1>(g, order, starts, segment, sorted_entries, batch, channels, plane, b32, rpc32, max_chunks, partial, grad_input, smem_bytes, stream);
-      break;
-  }
+  at::Tensor gt = at::empty({num_rois * bins * channels}, g.options());
+  const int64_t bin_tiles = (bins + kTile - 1) / kTile;
+  det_transpose_kernel<scalar_t>
+      <<<dim3(static_cast<unsigned>(num_rois * bin_tiles), static_cast<unsigned>((channels + kTile - 1) / kTile)),
+         dim3(kTile, 8), 0, stream>>>(
+          g.const_data_ptr<scalar_t>(), order.const_data_ptr<int64_t>(), channels, static_cast<int>(bins),
+          bin_tiles, gt.data_ptr<scalar_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t runs = (plane + kRunPixels - 1) / kRunPixels;
+  roi_align_det_transposed_kernel<scalar_t, acc_t>
+      <<<dim3(static_cast<unsigned>(batch * runs), static_cast<unsigned>((channels + kTile - 1) / kTile)),
+         kGatherThreads, 0, stream>>>(
+          gt.const_data_ptr<scalar_t>(), starts.const_data_ptr<int64_t>(), segment.const_data_ptr<int64_t>(),
+          reinterpret_cast<const DetEntry<acc_t>*>(sorted_entries.const_data_ptr()), channels, plane,
+          static_cast<int>(bins), runs, grad_input.data_ptr<scalar_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-// Deterministic backward through the staged gather. `rois` is contiguous, in the accumulation
-// dtype, with batch indices already checked; grad_input is [B, C, H, W] and not empty, and
-// there is at least one RoI. Returns false, touching nothing, for shapes the staged gather
+// Deterministic backward through the channel-row gather. `rois` is contiguous, in the
+// accumulation dtype, with batch indices already checked; grad_input is [B, C, H, W] and not
+// empty, and there is at least one RoI. Returns false, touching nothing, for shapes the gather
 // does not take (the caller then runs the general sort-based path).
 bool roi_align_backward_deterministic_staged(
     const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
@@ -388,38 +360,19 @@ bool roi_align_backward_deterministic_staged(
   } else if (num_rois >= (int64_t{1} << 22)) {
     return false;
   }
-  const int64_t elem = static_cast<int64_t>(grad.element_size());
-  const int64_t smem_cap =
-      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
-  // The largest channel group whose chunk holds an image's share of the RoIs (with a margin),
-  // or at least 32 RoIs. Each group reads the whole contribution list once, and each chunk
-  // costs a pass over the group's planes of the running sums: reading the list fewer times
-  // wins. Measured on an H200 (1024 RoIs, 2x256x200x304, 14x14; BENCHMARKS.md): groups of 4
-  // in 7 chunks per image 2.18 ms, of 2 in 4 chunks 3.00 ms, single channels in 2 chunks
-  // 5.29 ms.
-  const int64_t expected = num_rois / batch + num_rois / (batch * 10) + 8;
-  int group = 1;
-  for (int gsize : {4, 2}) {
-    if (channels >= gsize && smem_cap / (gsize * bins * elem) >= std::min<int64_t>(expected, 32)) {
-      group = gsize;
-      break;
-    }
+  // grid limits of the transpose and gather launches; every slot * bins + bin fits int32
+  const int64_t bin_tiles = (bins + kTile - 1) / kTile, channel_tiles = (channels + kTile - 1) / kTile;
+  const int64_t runs = (plane + kRunPixels - 1) / kRunPixels;
+  constexpr int64_t kMaxGrid = std::numeric_limits<int32_t>::max();
+  if (num_rois * bins > kMaxGrid || num_rois * bin_tiles > kMaxGrid || batch * runs > kMaxGrid ||
+      channel_tiles > 65535) {
+    return false;
   }
-  int64_t rois_per_chunk = smem_cap / (group * bins * elem);
-  if (rois_per_chunk < 1) return false;
-  rois_per_chunk = std::min(rois_per_chunk, num_rois);
-  // every staged slot index fits int32 (rois_per_chunk * bins * elem <= smem_cap)
-  const int64_t max_chunks = (num_rois + rois_per_chunk - 1) / rois_per_chunk;
-  const int64_t segments = batch * max_chunks * plane + 1;
-  if (segments > kMaxSegments) return false;
-  const int64_t channel_groups = (channels + group - 1) / group;
-  if (batch * channel_groups > std::numeric_limits<int32_t>::max()) return false;
-  const size_t smem_bytes = static_cast<size_t>(group * rois_per_chunk * bins * elem);
   // segments <= kMaxSegments: keys fit int32
+  if (batch * plane + 1 > kMaxSegments) return false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), kOp, [&] {
     det_backward<scalar_t, int32_t>(
-        grad, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, group,
-        rois_per_chunk, max_chunks, smem_bytes, grad_input);
+        grad, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, grad_input);
   });
   return true;
 }
