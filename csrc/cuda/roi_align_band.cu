@@ -184,6 +184,24 @@ __device__ __forceinline__ BinRow<acc_t> bin_row(
                        taps + static_cast<int64_t>(k) * (sh.pooled_height + sh.pooled_width) * G};
 }
 
+// The taps of bin (br.ph, pw): its sample rows ty and columns tx.
+template <typename acc_t, int G>
+__device__ __forceinline__ void load_bin_taps(
+    const BinRow<acc_t>& br, int pw, const BandShape& sh, BandTap<acc_t> (&ty)[G], BandTap<acc_t> (&tx)[G]) {
+  load_taps<acc_t, G>(br.taps + br.ph * G, ty);
+  load_taps<acc_t, G>(br.taps + (sh.pooled_height + pw) * G, tx);
+}
+
+// Whether every sample row of a bin row (its taps ty) lies in the staged window (the band
+// owns the bin row, so its first pixel row is not above it).
+template <typename acc_t, int G>
+__device__ __forceinline__ bool rows_in_window(const BandTap<acc_t> (&ty)[G], int height, BandRows window) {
+  bool in = true;
+#pragma unroll
+  for (int q = 0; q < G; ++q) in = in && (!ty[q].valid() || ty[q].hi(height) < window.last);
+  return in;
+}
+
 // Walks items e * pw_n + pw of a block's list, blockDim.x apart, without a division per item.
 struct ListWalk {
   int e, pw, step_e, step_pw;
@@ -201,6 +219,29 @@ struct ListWalk {
     }
   }
 };
+
+// A band kernel's block: its band and image, where its bin rows lie in the grouped list, and
+// its group of channels.
+struct BandBlock {
+  int bi;             // band
+  int64_t b;          // image
+  int32_t first_row;  // its first list entry
+  int n;              // its list entries
+  int64_t c0;         // its first channel
+  int nc;             // its channels
+};
+
+__device__ __forceinline__ BandBlock band_block(
+    const int32_t* __restrict__ offsets, const BandShape& sh, const BandPlan& plan) {
+  BandBlock k;
+  k.bi = static_cast<int>(blockIdx.x % plan.bands);
+  k.b = blockIdx.x / plan.bands;
+  k.first_row = offsets[blockIdx.x];
+  k.n = offsets[blockIdx.x + 1] - k.first_row;
+  k.c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
+  k.nc = static_cast<int>(min(sh.channels - k.c0, static_cast<int64_t>(sh.channels_per_block)));
+  return k;
+}
 
 // Adds v to the acc_t at a shared address (a compare-and-swap loop on GPUs without a native
 // shared-memory float add, as atomicAdd on a shared pointer).
@@ -279,6 +320,52 @@ struct PlaneRows {
   }
 };
 
+// The forward's blocks of the discard key: the discarded bin rows' bins of their channel
+// group are zeros.
+template <typename scalar_t, typename acc_t, int G>
+__device__ __forceinline__ void zero_discarded_bins(
+    const BandBlock& blk, const int32_t* __restrict__ rows, const BandShape& sh,
+    const BandTap<acc_t>* __restrict__ taps, scalar_t* __restrict__ output) {
+  const int pw_n = sh.pooled_width;
+  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
+  const int64_t per_row = static_cast<int64_t>(blk.nc) * pw_n;
+  for (int64_t i = threadIdx.x; i < blk.n * per_row; i += blockDim.x) {
+    const int64_t e = i / per_row, rem = i - e * per_row;
+    const int64_t ci = rem / pw_n, pw = rem - ci * pw_n;
+    const BinRow<acc_t> br = bin_row<acc_t, G>(rows[blk.first_row + e], sh, taps);
+    output[(br.k * sh.channels + blk.c0 + ci) * bins + br.ph * pw_n + pw] = scalar_t(0);
+  }
+}
+
+// Adds the samples of the bin with taps ty, tx to sum, NC channels at a time, the same
+// expression, term for term, as the tiled gather kernel. pixels: StagedRows or PlaneRows (the
+// same values, from shared or global memory).
+template <typename scalar_t, typename acc_t, int G, int NC, typename Pixels>
+__device__ __forceinline__ void add_samples(
+    const Pixels& pixels, const BandTap<acc_t> (&ty)[G], const BandTap<acc_t> (&tx)[G],
+    const BandShape& sh, acc_t (&sum)[NC]) {
+  constexpr int32_t kBytes = static_cast<int32_t>(NC * sizeof(scalar_t));  // a pixel's NC values
+#pragma unroll
+  for (int iy = 0; iy < G; ++iy) {
+    if (!ty[iy].valid()) continue;
+    const acc_t yl = ty[iy].l, yh = ty[iy].h();
+    const auto rlo = pixels.row(ty[iy].lo()), rhi = pixels.row(ty[iy].hi(sh.height));
+#pragma unroll
+    for (int ix = 0; ix < G; ++ix) {
+      if (!tx[ix].valid()) continue;
+      const acc_t xl = tx[ix].l, xh = tx[ix].h();
+      const int32_t xlo = tx[ix].lo() * kBytes, xhi = tx[ix].hi(sh.width) * kBytes;
+      const auto v1 = pixels.at(rlo, xlo), v2 = pixels.at(rlo, xhi);
+      const auto v3 = pixels.at(rhi, xlo), v4 = pixels.at(rhi, xhi);
+#pragma unroll
+      for (int j = 0; j < NC; ++j) {
+        sum[j] += (yh * xh) * static_cast<acc_t>(v1.v[j]) + (yh * xl) * static_cast<acc_t>(v2.v[j]) +
+            (yl * xh) * static_cast<acc_t>(v3.v[j]) + (yl * xl) * static_cast<acc_t>(v4.v[j]);
+      }
+    }
+  }
+}
+
 // NC = 2 or 4: the band holds NC channel planes interleaved (1 / NC of the rows of NC = 1 in
 // the same shared memory), so that each bin's list entry, taps and weights, and each
 // shared-memory load instruction, serve NC channels. The kernel is bound by load wavefronts
@@ -290,26 +377,17 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_kernel(
     BandPlan plan, int32_t discard, scalar_t* __restrict__ output) {
   extern __shared__ __align__(16) unsigned char smem[];
   scalar_t* band = reinterpret_cast<scalar_t*>(smem);
-  const int bi = static_cast<int>(blockIdx.x % plan.bands);
-  const int64_t b = blockIdx.x / plan.bands;
-  const int32_t first_row = offsets[blockIdx.x];
-  const int n = offsets[blockIdx.x + 1] - first_row;
-  if (n == 0) return;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
-  const int nc = static_cast<int>(min(sh.channels - c0, static_cast<int64_t>(sh.channels_per_block)));
-  const int pw_n = sh.pooled_width;
-  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
-  if (blockIdx.x == discard) {  // the discarded bin rows' bins of this channel group are zeros
-    const int64_t per_row = static_cast<int64_t>(nc) * pw_n;
-    for (int64_t i = threadIdx.x; i < n * per_row; i += blockDim.x) {
-      const int64_t e = i / per_row, rem = i - e * per_row;
-      const int64_t ci = rem / pw_n, pw = rem - ci * pw_n;
-      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + e], sh, taps);
-      output[(br.k * sh.channels + c0 + ci) * bins + br.ph * pw_n + pw] = scalar_t(0);
-    }
+  const BandBlock blk = band_block(offsets, sh, plan);
+  if (blk.n == 0) return;
+  if (blockIdx.x == discard) {
+    zero_discarded_bins<scalar_t, acc_t, G>(blk, rows, sh, taps, output);
     return;
   }
-  const BandRows window = plane_band::band_rows(plan, bi, sh.height);
+  const int64_t b = blk.b, c0 = blk.c0;
+  const int n = blk.n, nc = blk.nc;
+  const int pw_n = sh.pooled_width;
+  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
+  const BandRows window = plane_band::band_rows(plan, blk.bi, sh.height);
   const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
   constexpr int32_t kBytes = static_cast<int32_t>(NC * sizeof(scalar_t));  // a staged pixel
   const StagedRows<scalar_t, NC> staged_rows{static_cast<uint32_t>(__cvta_generic_to_shared(band)), window.first,
@@ -329,44 +407,18 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_kernel(
     __syncthreads();
     for (ListWalk w(pw_n); w.e < n; w.next(pw_n)) {
       const int pw = w.pw;
-      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + w.e], sh, taps);
+      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[blk.first_row + w.e], sh, taps);
       BandTap<acc_t> ty[G], tx[G];
-      load_taps<acc_t, G>(br.taps + br.ph * G, ty);
-      load_taps<acc_t, G>(br.taps + (sh.pooled_height + pw) * G, tx);
-      // The same expression, term for term, as the tiled gather kernel, for each channel. A
-      // bin row taller than the overlap reads its pixel rows from global memory (the same
+      load_bin_taps<acc_t, G>(br, pw, sh, ty, tx);
+      // A bin row taller than the overlap reads its pixel rows from global memory (the same
       // values).
       acc_t sum[NC];
 #pragma unroll
       for (int j = 0; j < NC; ++j) sum[j] = 0;
-      auto add = [&](const auto& pixels) {
-#pragma unroll
-        for (int iy = 0; iy < G; ++iy) {
-          if (!ty[iy].valid()) continue;
-          const acc_t yl = ty[iy].l, yh = ty[iy].h();
-          const auto rlo = pixels.row(ty[iy].lo()), rhi = pixels.row(ty[iy].hi(sh.height));
-#pragma unroll
-          for (int ix = 0; ix < G; ++ix) {
-            if (!tx[ix].valid()) continue;
-            const acc_t xl = tx[ix].l, xh = tx[ix].h();
-            const int32_t xlo = tx[ix].lo() * kBytes, xhi = tx[ix].hi(sh.width) * kBytes;
-            const auto v1 = pixels.at(rlo, xlo), v2 = pixels.at(rlo, xhi);
-            const auto v3 = pixels.at(rhi, xlo), v4 = pixels.at(rhi, xhi);
-#pragma unroll
-            for (int j = 0; j < NC; ++j) {
-              sum[j] += (yh * xh) * static_cast<acc_t>(v1.v[j]) + (yh * xl) * static_cast<acc_t>(v2.v[j]) +
-                  (yl * xh) * static_cast<acc_t>(v3.v[j]) + (yl * xl) * static_cast<acc_t>(v4.v[j]);
-            }
-          }
-        }
-      };
-      bool staged = true;  // ylo >= window.first: the band owns the bin row
-#pragma unroll
-      for (int q = 0; q < G; ++q) staged = staged && (!ty[q].valid() || ty[q].hi(sh.height) < window.last);
-      if (staged) {
-        add(staged_rows);
+      if (rows_in_window<acc_t, G>(ty, sh.height, window)) {
+        add_samples<scalar_t, acc_t, G, NC>(staged_rows, ty, tx, sh, sum);
       } else {
-        add(planes);
+        add_samples<scalar_t, acc_t, G, NC>(planes, ty, tx, sh, sum);
       }
       scalar_t* out = output + (br.k * sh.channels + c) * bins + br.ph * pw_n + pw;
 #pragma unroll
@@ -400,26 +452,17 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
   constexpr int kPixel = 2 * kLane;  // channels per staged pixel: 32 bytes
   using Half = Lanes<float, kLane>;
   extern __shared__ __align__(16) unsigned char smem[];
-  const int bi = static_cast<int>(blockIdx.x % plan.bands);
-  const int64_t b = blockIdx.x / plan.bands;
-  const int32_t first_row = offsets[blockIdx.x];
-  const int n = offsets[blockIdx.x + 1] - first_row;
-  if (n == 0) return;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
-  const int nc = static_cast<int>(min(sh.channels - c0, static_cast<int64_t>(sh.channels_per_block)));
-  const int pw_n = sh.pooled_width;
-  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
-  if (blockIdx.x == discard) {  // the discarded bin rows' bins of this channel group are zeros
-    const int64_t per_row = static_cast<int64_t>(nc) * pw_n;
-    for (int64_t i = threadIdx.x; i < n * per_row; i += blockDim.x) {
-      const int64_t e = i / per_row, rem = i - e * per_row;
-      const int64_t ci = rem / pw_n, pw = rem - ci * pw_n;
-      const BinRow<float> br = bin_row<float, G>(rows[first_row + e], sh, taps);
-      output[(br.k * sh.channels + c0 + ci) * bins + br.ph * pw_n + pw] = 0.f;
-    }
+  const BandBlock blk = band_block(offsets, sh, plan);
+  if (blk.n == 0) return;
+  if (blockIdx.x == discard) {
+    zero_discarded_bins<float, float, G>(blk, rows, sh, taps, output);
     return;
   }
-  const BandRows window = plane_band::band_rows(plan, bi, sh.height);
+  const int64_t b = blk.b, c0 = blk.c0;
+  const int n = blk.n, nc = blk.nc;
+  const int pw_n = sh.pooled_width;
+  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
+  const BandRows window = plane_band::band_rows(plan, blk.bi, sh.height);
   const int n_rows = window.last - window.first;
   const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
   const uint32_t band = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -450,17 +493,13 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
     for (ListWalk w(pw_n, static_cast<int>(threadIdx.x >> 1), static_cast<int>(blockDim.x >> 1)); w.e < n;
          w.next(pw_n)) {
       const int pw = w.pw;
-      const BinRow<float> br = bin_row<float, G>(rows[first_row + w.e], sh, taps);
+      const BinRow<float> br = bin_row<float, G>(rows[blk.first_row + w.e], sh, taps);
       BandTap<float> ty[G], tx[G];
-      load_taps<float, G>(br.taps + br.ph * G, ty);
-      load_taps<float, G>(br.taps + (sh.pooled_height + pw) * G, tx);
+      load_bin_taps<float, G>(br, pw, sh, ty, tx);
       float sum[kLane];
 #pragma unroll
       for (int j = 0; j < kLane; ++j) sum[j] = 0.f;
-      bool in_band = true;  // ylo >= window.first: the band owns the bin row
-#pragma unroll
-      for (int q = 0; q < G; ++q) in_band = in_band && (!ty[q].valid() || ty[q].hi(sh.height) < window.last);
-      if (in_band) {
+      if (rows_in_window<float, G>(ty, sh.height, window)) {
 #pragma unroll
         for (int iy = 0; iy < G; ++iy) {
           if (!ty[iy].valid()) continue;
@@ -499,25 +538,7 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
         pixels.width = sh.width;
 #pragma unroll
         for (int j = 0; j < kLane; ++j) pixels.plane[j] = plane(j);
-#pragma unroll
-        for (int iy = 0; iy < G; ++iy) {
-          if (!ty[iy].valid()) continue;
-          const float yl = ty[iy].l, yh = ty[iy].h();
-          const auto rlo = pixels.row(ty[iy].lo()), rhi = pixels.row(ty[iy].hi(sh.height));
-#pragma unroll
-          for (int ix = 0; ix < G; ++ix) {
-            if (!tx[ix].valid()) continue;
-            const float xl = tx[ix].l, xh = tx[ix].h();
-            const int32_t xlo = tx[ix].lo() * 16, xhi = tx[ix].hi(sh.width) * 16;  // bytes of kLane values
-            const auto v1 = pixels.at(rlo, xlo), v2 = pixels.at(rlo, xhi);
-            const auto v3 = pixels.at(rhi, xlo), v4 = pixels.at(rhi, xhi);
-#pragma unroll
-            for (int j = 0; j < kLane; ++j) {
-              sum[j] += (yh * xh) * v1.v[j] + (yh * xl) * v2.v[j] +
-                  (yl * xh) * v3.v[j] + (yl * xl) * v4.v[j];
-            }
-          }
-        }
+        add_samples<float, float, G, kLane>(pixels, ty, tx, sh, sum);
       }
       float* out = output + (br.k * sh.channels + c + kLane * half) * bins + br.ph * pw_n + pw;
 #pragma unroll
@@ -535,13 +556,10 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
     BandPlan plan, acc_t* __restrict__ grad_input) {
   extern __shared__ __align__(16) unsigned char smem[];
   acc_t* band = reinterpret_cast<acc_t*>(smem);
-  const int bi = static_cast<int>(blockIdx.x % plan.bands);
-  const int64_t b = blockIdx.x / plan.bands;
-  const int32_t first_row = offsets[blockIdx.x];
-  const int n = offsets[blockIdx.x + 1] - first_row;
+  const BandBlock blk = band_block(offsets, sh, plan);
+  const int64_t b = blk.b, c0 = blk.c0;
+  const int bi = blk.bi, n = blk.n, nc = blk.nc;
   const BandRows window = plane_band::band_rows(plan, bi, sh.height);
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
-  const int nc = static_cast<int>(min(sh.channels - c0, static_cast<int64_t>(sh.channels_per_block)));
   const int pw_n = sh.pooled_width;
   const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
   const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
@@ -557,13 +575,12 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
     __syncthreads();
     for (ListWalk w(pw_n); w.e < n; w.next(pw_n)) {
       const int pw = w.pw;
-      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[first_row + w.e], sh, taps);
+      const BinRow<acc_t> br = bin_row<acc_t, G>(rows[blk.first_row + w.e], sh, taps);
       const acc_t go = static_cast<acc_t>(grad[(br.k * sh.channels + c) * bins + br.ph * pw_n + pw]);
       if (go == acc_t(0)) continue;
       const acc_t gv = go / static_cast<acc_t>(G * G);
       BandTap<acc_t> ty[G], tx[G];
-      load_taps<acc_t, G>(br.taps + br.ph * G, ty);
-      load_taps<acc_t, G>(br.taps + (sh.pooled_height + pw) * G, tx);
+      load_bin_taps<acc_t, G>(br, pw, sh, ty, tx);
 #pragma unroll
       for (int iy = 0; iy < G; ++iy) {
         if (!ty[iy].valid()) continue;
@@ -621,14 +638,11 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rota
   constexpr int kLane = 4;           // channels per lane
   constexpr int kPixel = 2 * kLane;  // channels per staged pixel
   extern __shared__ __align__(16) unsigned char smem[];
-  const int bi = static_cast<int>(blockIdx.x % plan.bands);
-  const int64_t b = blockIdx.x / plan.bands;
-  const int32_t first_row = offsets[blockIdx.x];
-  const int n = offsets[blockIdx.x + 1] - first_row;
+  const BandBlock blk = band_block(offsets, sh, plan);
+  const int64_t b = blk.b, c0 = blk.c0;
+  const int bi = blk.bi, n = blk.n, nc = blk.nc;
   const BandRows window = plane_band::band_rows(plan, bi, sh.height);
   const int n_rows = window.last - window.first;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
-  const int nc = static_cast<int>(min(sh.channels - c0, static_cast<int64_t>(sh.channels_per_block)));
   const int pw_n = sh.pooled_width;
   const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
   const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
@@ -652,7 +666,7 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rota
     for (ListWalk w(pw_n, static_cast<int>(threadIdx.x >> 1), static_cast<int>(blockDim.x >> 1)); w.e < n;
          w.next(pw_n)) {
       const int pw = w.pw;
-      const BinRow<float> br = bin_row<float, G>(rows[first_row + w.e], sh, taps);
+      const BinRow<float> br = bin_row<float, G>(rows[blk.first_row + w.e], sh, taps);
       float gv[kLane];
       bool any = false;
 #pragma unroll
@@ -665,8 +679,7 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rota
       }
       if (!any) continue;
       BandTap<float> ty[G], tx[G];
-      load_taps<float, G>(br.taps + br.ph * G, ty);
-      load_taps<float, G>(br.taps + (sh.pooled_height + pw) * G, tx);
+      load_bin_taps<float, G>(br, pw, sh, ty, tx);
 #pragma unroll
       for (int iy = 0; iy < G; ++iy) {
         if (!ty[iy].valid()) continue;
@@ -813,7 +826,8 @@ BandPlan band_plan(int64_t height, int64_t width, int64_t elem_bytes, int64_t bu
 // the bin rows of RoIs up to half the map's height wherever they start (their sample rows span
 // about H / 2 / pooled_height * (grid - 1) / grid + 2 pixel rows: 10 for 7x7 bins of a
 // 200-row map, 6 for 14x14 ones), at most 3/8 of the rows; taller bin rows read global memory.
-BandPlan rotated_plan(int64_t height, int64_t width, int64_t pooled_height, int64_t grid) {
+// Not ok where the bands would hold fewer than 16 rows, or the batch's bands overflow the keys.
+BandPlan rotated_plan(int64_t batch, int64_t height, int64_t width, int64_t pooled_height, int64_t grid) {
   BandPlan p;
   if (height <= 0 || width <= 0 || width > (1 << 20)) return p;
   const int64_t stride = width + (6 - width % 4) % 4;
@@ -827,7 +841,7 @@ BandPlan rotated_plan(int64_t height, int64_t width, int64_t pooled_height, int6
   p.overlap = static_cast<int>(overlap);
   p.bands = static_cast<int>(cuda::ceil_div(height, rows - overlap));
   p.smem_bytes = rows * stride * kRotatedPixelBytes;
-  p.ok = true;
+  p.ok = batch * p.bands < (int64_t{1} << 30);
   return p;
 }
 
@@ -857,7 +871,7 @@ bool band_applies(
       sampling_ratio * sampling_ratio * 4;
   const double pixels = static_cast<double>(batch) * height * width;
   if (!forward) return fetches >= pixels;
-  const bool rotated = elem_bytes == 4 && rotated_plan(height, width, pooled_height, sampling_ratio).ok;
+  const bool rotated = elem_bytes == 4 && rotated_plan(batch, height, width, pooled_height, sampling_ratio).ok;
   return fetches >= 4.0 * pixels && pixels * channels * elem_bytes >= (rotated ? 10.0 : 48.0) * (1 << 20);
 }
 
@@ -937,37 +951,24 @@ bool roi_align_forward_band(
     // float32 maps whose bands of 32-byte pixels hold 16 rows or more: the conflict-free
     // kernel (BENCHMARKS.md, "roi_align band forward without bank conflicts"). For 16-bit maps
     // it measured slower than the kernel below (bands of 8-byte pixels, two blocks per SM).
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      const BandPlan rplan = rotated_plan(height, width, pooled_height, sampling_ratio);
-      if (rplan.ok && batch * rplan.bands < (int64_t{1} << 30)) {
-        const BandSetup s = setup_bands<float>(
-            rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
-            spatial_scale, rplan, stream, kRotatedPixelBytes / sizeof(float), /*check=*/true);
-        const dim3 grid(s.grid.x + 1, s.grid.y);
-        with_grid(sampling_ratio, [&](auto g) {
-          constexpr int G = decltype(g)::value;
-          auto kernel = roi_align_band_forward_rotated_kernel<G>;
-          plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
-          kernel<<<grid, kWideBandThreads, s.smem, stream>>>(
-              input.const_data_ptr<scalar_t>(), s.tap_ptr<float>(), s.offsets(), s.rows(), s.shape, s.plan,
-              static_cast<int32_t>(s.num_keys), output.data_ptr<scalar_t>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-        return;
+    // Otherwise channels per staged pixel (BENCHMARKS.md, "roi_align band forward"): four (16
+    // bytes of float, 8 of half or bfloat16), two of double; fewer where a band would hold too
+    // few rows. Float bins as tall as 7x7 ones or taller get bands of twice the shared memory,
+    // in blocks of kWideBandThreads (one per SM): in bands of 16-byte pixels more of their bin
+    // rows would reach past the window and read global memory.
+    BandPlan plan = std::is_same_v<scalar_t, float>
+        ? rotated_plan(batch, height, width, pooled_height, sampling_ratio)
+        : BandPlan{};
+    const bool rotated = plan.ok;
+    int nc = rotated ? kRotatedPixelBytes / static_cast<int>(sizeof(float)) : sizeof(scalar_t) == 8 ? 2 : 4;
+    bool wide = !rotated && sizeof(scalar_t) == 4 && pooled_height <= 7;
+    if (!rotated) {
+      plan = band_plan(height, width, nc * input.element_size(), wide ? 2 * kBandBudget : kBandBudget);
+      while (nc > 1 && (!plan.ok || nc > channels)) {
+        nc /= 2;
+        wide = false;
+        plan = band_plan(height, width, nc * input.element_size());
       }
-    }
-    // Channels per staged pixel (BENCHMARKS.md, "roi_align band forward"): four (16 bytes of
-    // float, 8 of half or bfloat16), two of double; fewer where a band would hold too few rows.
-    // Float bins as tall as 7x7 ones or taller get bands of twice the shared memory, in blocks
-    // of kWideBandThreads (one per SM): in bands of 16-byte pixels more of their bin rows
-    // would reach past the window and read global memory.
-    int nc = sizeof(scalar_t) == 8 ? 2 : 4;
-    bool wide = sizeof(scalar_t) == 4 && pooled_height <= 7;
-    BandPlan plan = band_plan(height, width, nc * input.element_size(), wide ? 2 * kBandBudget : kBandBudget);
-    while (nc > 1 && (!plan.ok || nc > channels)) {
-      nc /= 2;
-      wide = false;
-      plan = band_plan(height, width, nc * input.element_size());
     }
     const BandSetup s = setup_bands<acc_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
@@ -983,6 +984,12 @@ bool roi_align_forward_band(
     };
     with_grid(sampling_ratio, [&](auto g) {
       constexpr int G = decltype(g)::value;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (rotated) {
+          launch(roi_align_band_forward_rotated_kernel<G>, kWideBandThreads);
+          return;
+        }
+      }
       auto with_nc = [&](auto lanes) {
         constexpr int NC = decltype(lanes)::value;
         if constexpr (NC * sizeof(scalar_t) <= 16) {
@@ -1020,45 +1027,36 @@ bool roi_align_backward_band(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "detops._roi_align_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     TORCH_INTERNAL_ASSERT(grad_input.scalar_type() == c10::CppTypeToScalarType<acc_t>::value);
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      // float32 gradients of maps the conflict-free forward takes: the conflict-free backward
-      // (BENCHMARKS.md, "roi_align band backward without bank conflicts").
-      const BandPlan rplan = rotated_plan(height, width, pooled_height, sampling_ratio);
-      if (rplan.ok && batch * rplan.bands < (int64_t{1} << 30)) {
-        const BandSetup s = setup_bands<float>(
-            rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
-            aligned, spatial_scale, rplan, stream, kRotatedPixelBytes / sizeof(float));
-        plane_band::zero_shared_rows(grad_input.data_ptr<float>(), batch * channels, height, width, s.plan, stream);
-        with_grid(sampling_ratio, [&](auto gc) {
-          auto kernel = roi_align_band_backward_rotated_kernel<decltype(gc)::value>;
-          plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
-          kernel<<<s.grid, kWideBandThreads, s.smem, stream>>>(
-              g.const_data_ptr<float>(), s.tap_ptr<float>(), s.offsets(), s.rows(), s.shape, s.plan,
-              grad_input.data_ptr<float>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-        const int64_t tail_items = rois.size(0) * pooled_height * channels;
-        band_tail_backward_kernel<float, float><<<cuda::grid_for(tail_items, 256), 256, 0, stream>>>(
-            g.const_data_ptr<float>(), s.tap_ptr<float>(), s.keys(), s.tall, rois.size(0), s.shape,
-            static_cast<int>(sampling_ratio), static_cast<float>(sampling_ratio * sampling_ratio), s.plan,
-            grad_input.data_ptr<float>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
-      }
-    }
+    // float32 gradients of maps the conflict-free forward takes: the conflict-free backward
+    // (BENCHMARKS.md, "roi_align band backward without bank conflicts"); others one channel at
+    // a time.
+    const BandPlan rplan = std::is_same_v<scalar_t, float>
+        ? rotated_plan(batch, height, width, pooled_height, sampling_ratio)
+        : BandPlan{};
+    const bool rotated = rplan.ok;
     const BandSetup s = setup_bands<acc_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
-        aligned, spatial_scale, band_plan(height, width, sizeof(acc_t)), stream);
+        aligned, spatial_scale, rotated ? rplan : band_plan(height, width, sizeof(acc_t)), stream,
+        rotated ? kRotatedPixelBytes / static_cast<int>(sizeof(float)) : 1);
     // Rows two bands stage start at zero; every other row is stored by its band.
     plane_band::zero_shared_rows(grad_input.data_ptr<acc_t>(), batch * channels, height, width, s.plan, stream);
     const acc_t count = static_cast<acc_t>(sampling_ratio * sampling_ratio);
-    with_grid(sampling_ratio, [&](auto gc) {
-      auto kernel = roi_align_band_backward_kernel<scalar_t, acc_t, decltype(gc)::value>;
+    auto launch = [&](auto kernel, int threads) {
       plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
-      kernel<<<s.grid, kBandThreads, s.smem, stream>>>(
+      kernel<<<s.grid, threads, s.smem, stream>>>(
           g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, s.plan,
           grad_input.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    with_grid(sampling_ratio, [&](auto gc) {
+      constexpr int G = decltype(gc)::value;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (rotated) {
+          launch(roi_align_band_backward_rotated_kernel<G>, kWideBandThreads);
+          return;
+        }
+      }
+      launch(roi_align_band_backward_kernel<scalar_t, acc_t, G>, kBandThreads);
     });
     const int64_t tail_items = rois.size(0) * pooled_height * channels;
     band_tail_backward_kernel<scalar_t, acc_t><<<cuda::grid_for(tail_items, 256), 256, 0, stream>>>(
