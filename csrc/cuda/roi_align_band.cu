@@ -23,9 +23,10 @@
 // and the band holds channel planes interleaved, so that one list entry, one set of taps and
 // weights, and one shared load serve several channels (BENCHMARKS.md, "roi_align band
 // forward"). float32 maps take roi_align_band_forward_rotated_kernel: eight channels per
-// staged pixel, read without bank conflicts. Other maps (and float32 maps too wide for its
-// bands) take roi_align_band_forward_kernel: two or four channels per pixel, a bin the same
-// sum, term for term, as in the tiled gather kernel.
+// staged pixel, read without bank conflicts; while a block computes, it asks L2 for the band
+// of a block about a wave later (prefetch_later_band). Other maps (and float32 maps too wide
+// for its bands) take roi_align_band_forward_kernel: two or four channels per pixel, a bin the
+// same sum, term for term, as in the tiled gather kernel.
 // Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
 // shared memory with shared-memory atomics, then writes the band out (float32 gradients in
 // roi_align_band_backward_rotated_kernel: eight channels per staged pixel, every warp-wide
@@ -442,12 +443,42 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_kernel(
 // that order, one multiply-add each, so its rounding differs from the gather kernels'.
 constexpr int kRotatedPixelBytes = 32;
 
-// One block per SM: its band takes the SM's shared memory.
+// Asks L2 for the band that block `ahead` blocks after this one in launch order stages (its
+// rows of each of its channels' planes, a bulk prefetch per plane by the first threads), so
+// that the staging of later blocks reads L2 instead of DRAM. Blocks start in about launch
+// order, one per SM, so with ahead about a wave of blocks the rows arrive while this block
+// computes (BENCHMARKS.md, "roi_align band forward: the next wave's bands into L2"). Rows are
+// rounded inwards to 16 bytes, as the bulk prefetch needs; a hint only, on sm_90 and later.
+template <typename T>
+__device__ __forceinline__ void prefetch_later_band(
+    const T* __restrict__ input, const int32_t* __restrict__ offsets, const BandShape& sh,
+    const BandPlan& plan, int32_t discard, int ahead) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (ahead <= 0 || static_cast<int>(threadIdx.x) >= sh.channels_per_block) return;
+  const int64_t later = blockIdx.x + static_cast<int64_t>(blockIdx.y) * gridDim.x + ahead;
+  const int64_t key = later % gridDim.x, group = later / gridDim.x;
+  if (group >= gridDim.y || key >= discard || offsets[key + 1] == offsets[key]) return;
+  const int64_t c = group * sh.channels_per_block + threadIdx.x;
+  if (c >= sh.channels) return;
+  const BandRows w = plane_band::band_rows(plan, static_cast<int>(key % plan.bands), sh.height);
+  const int64_t image = key / plan.bands;
+  const T* first = input + ((image * sh.channels + c) * sh.height + w.first) * sh.width;
+  const T* last = first + static_cast<int64_t>(w.last - w.first) * sh.width;
+  const uint64_t a = (reinterpret_cast<uint64_t>(first) + 15) & ~uint64_t{15};
+  const uint64_t e = reinterpret_cast<uint64_t>(last) & ~uint64_t{15};
+  if (e > a) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(static_cast<uint32_t>(e - a)) : "memory");
+  }
+#endif
+}
+
+// One block per SM: its band takes the SM's shared memory. ahead: see prefetch_later_band
+// (0: none).
 template <int G>
 __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotated_kernel(
     const float* __restrict__ input, const BandTap<float>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
-    BandPlan plan, int32_t discard, float* __restrict__ output) {
+    BandPlan plan, int32_t discard, float* __restrict__ output, int ahead) {
   constexpr int kLane = 4;           // channels per lane: 16 bytes
   constexpr int kPixel = 2 * kLane;  // channels per staged pixel: 32 bytes
   using Half = Lanes<float, kLane>;
@@ -490,6 +521,7 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
       }
     }
     __syncthreads();
+    if (ci == 0) prefetch_later_band(input, offsets, sh, plan, discard, ahead);
     for (ListWalk w(pw_n, static_cast<int>(threadIdx.x >> 1), static_cast<int>(blockDim.x >> 1)); w.e < n;
          w.next(pw_n)) {
       const int pw = w.pw;
@@ -975,18 +1007,30 @@ bool roi_align_forward_band(
         spatial_scale, plan, stream, nc, /*check=*/true);  // the caller leaves the batch-index check to the setup
     // one more column of blocks: those of the discard key, which write its bins' zeros
     const dim3 grid(s.grid.x + 1, s.grid.y);
-    auto launch = [&](auto kernel, int threads) {
+    auto launch = [&](auto kernel, int threads, auto... more) {
       plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
       kernel<<<grid, threads, s.smem, stream>>>(
           input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, s.plan,
-          static_cast<int32_t>(s.num_keys), output.data_ptr<scalar_t>());
+          static_cast<int32_t>(s.num_keys), output.data_ptr<scalar_t>(), more...);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     with_grid(sampling_ratio, [&](auto g) {
       constexpr int G = decltype(g)::value;
       if constexpr (std::is_same_v<scalar_t, float>) {
         if (rotated) {
-          launch(roi_align_band_forward_rotated_kernel<G>, kWideBandThreads);
+          // Each block asks L2 for the band of the block three quarters of a wave after it
+          // where a block's staging takes about as long as its computation: up to about 16
+          // samples' pixels per map pixel (6.6 at 7x7 on the benchmark: kernel 138-142 ->
+          // 119-123 µs). With more samples the computation outlasts the staging and the
+          // prefetched rows wait in L2 long enough to be evicted (26 at 14x14: no faster, 53 MB
+          // more read from DRAM). BENCHMARKS.md, "roi_align band forward: the next wave's
+          // bands into L2".
+          const double fetches = static_cast<double>(rois.size(0)) * pooled_height * pooled_width *
+              sampling_ratio * sampling_ratio * 4;
+          const int ahead = fetches <= 16.0 * batch * height * width
+              ? 3 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount / 4
+              : 0;
+          launch(roi_align_band_forward_rotated_kernel<G>, kWideBandThreads, ahead);
           return;
         }
       }
