@@ -648,8 +648,10 @@ def test_roi_kernel_choice_is_checked():
 # these overlaps, and RoIs up to 150 rows tall in 3x3 bins, sampled 4 x 4, have bin rows up to
 # about 40 rows tall, past every window's overlap. Channel counts that are not multiples of
 # four or eight leave a last, partial group. 1200 RoIs on two 64 x 64 maps give one block
-# thousands of bin rows.
+# thousands of bin rows. 100 RoIs on a 64 x 200 x 304 float32 map read few samples per pixel, so
+# the forward's blocks ask L2 for the bands of blocks most of a wave later (120 blocks).
 BAND_CASES = {
+    "few RoIs on a large map": (1, 64, 200, 304, 100, 4, 100, 0.0, (7, 7), 2, True),
     "one band": (2, 8, 40, 56, 300, 2, 30, 0.0, (7, 7), 2, True),
     "bands, tall bins": (1, 5, 100, 600, 400, 2, 90, 0.1, (7, 7), 2, True),
     "channel quads, tall bins": (1, 9, 100, 300, 400, 2, 90, 0.1, (9, 5), 2, True),
