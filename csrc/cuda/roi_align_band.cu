@@ -877,6 +877,14 @@ BandPlan rotated_plan(int64_t batch, int64_t height, int64_t width, int64_t pool
   return p;
 }
 
+// Pixels read by all samples of one channel (four per sample) per pixel of the maps.
+double reads_per_pixel(
+    int64_t batch, int64_t height, int64_t width, int64_t num_rois, int64_t pooled_height,
+    int64_t pooled_width, int64_t sampling_ratio) {
+  return static_cast<double>(num_rois) * pooled_height * pooled_width * sampling_ratio * sampling_ratio * 4 /
+      (static_cast<double>(batch) * height * width);
+}
+
 // Whether the band kernels take these shapes and RoIs (on top of roi_kernel()). Under kAuto,
 // measured on an H200 (BENCHMARKS.md): the band backward beats the atomic scatter once the
 // samples read about as many pixels as the maps hold; the band forward beats the tiled gather
@@ -898,13 +906,12 @@ bool band_applies(
   const BandPlan plan = band_plan(height, width, elem_bytes);
   if (!plan.ok || batch * plan.bands >= (int64_t{1} << 30)) return false;
   if (choice == RoIKernel::kBand) return true;
-  // pixels read by all samples of one channel (four per sample), against the pixels it holds
-  const double fetches = static_cast<double>(num_rois) * pooled_height * pooled_width *
-      sampling_ratio * sampling_ratio * 4;
-  const double pixels = static_cast<double>(batch) * height * width;
-  if (!forward) return fetches >= pixels;
+  const double reads =
+      reads_per_pixel(batch, height, width, num_rois, pooled_height, pooled_width, sampling_ratio);
+  if (!forward) return reads >= 1.0;
   const bool rotated = elem_bytes == 4 && rotated_plan(batch, height, width, pooled_height, sampling_ratio).ok;
-  return fetches >= 4.0 * pixels && pixels * channels * elem_bytes >= (rotated ? 10.0 : 48.0) * (1 << 20);
+  const double pixels = static_cast<double>(batch) * height * width;
+  return reads >= 4.0 && pixels * channels * elem_bytes >= (rotated ? 10.0 : 48.0) * (1 << 20);
 }
 
 template <typename acc_t>
@@ -1020,14 +1027,14 @@ bool roi_align_forward_band(
         if (rotated) {
           // Each block asks L2 for the band of the block three quarters of a wave after it
           // where a block's staging takes about as long as its computation: up to about 16
-          // samples' pixels per map pixel (6.6 at 7x7 on the benchmark: kernel 138-142 ->
+          // samples' pixels per map pixel (6.6 at 7x7 on the benchmark: kernel 136-142 ->
           // 119-123 µs). With more samples the computation outlasts the staging and the
-          // prefetched rows wait in L2 long enough to be evicted (26 at 14x14: no faster, 53 MB
-          // more read from DRAM). BENCHMARKS.md, "roi_align band forward: the next wave's
+          // prefetched rows wait in L2 long enough to be evicted (26 at 14x14: no faster, 50-80
+          // MB more read from DRAM). BENCHMARKS.md, "roi_align band forward: the next wave's
           // bands into L2".
-          const double fetches = static_cast<double>(rois.size(0)) * pooled_height * pooled_width *
-              sampling_ratio * sampling_ratio * 4;
-          const int ahead = fetches <= 16.0 * batch * height * width
+          const double reads = reads_per_pixel(
+              batch, height, width, rois.size(0), pooled_height, pooled_width, sampling_ratio);
+          const int ahead = reads <= 16.0
               ? 3 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount / 4
               : 0;
           launch(roi_align_band_forward_rotated_kernel<G>, kWideBandThreads, ahead);
