@@ -493,6 +493,7 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
   const int n = blk.n, nc = blk.nc;
   const int pw_n = sh.pooled_width;
   const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
+  const int plane_bins = sh.pooled_height * pw_n;  // at most 64 x 64
   const BandRows window = plane_band::band_rows(plan, blk.bi, sh.height);
   const int n_rows = window.last - window.first;
   const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
@@ -572,10 +573,18 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
         for (int j = 0; j < kLane; ++j) pixels.plane[j] = plane(j);
         add_samples<float, float, G, kLane>(pixels, ty, tx, sh, sum);
       }
+      // this lane's channels left in the group (kLane or more but in a group's last pixel);
+      // one output address, the next channel's bin a plane of bins further
+      const int left = nc - ci - kLane * half;
       float* out = output + (br.k * sh.channels + c + kLane * half) * bins + br.ph * pw_n + pw;
+      if (left >= kLane) {
 #pragma unroll
-      for (int j = 0; j < kLane; ++j) {
-        if (ci + kLane * half + j < nc) out[j * bins] = sum[j] / static_cast<float>(G * G);
+        for (int j = 0; j < kLane; ++j) out[j * plane_bins] = sum[j] / static_cast<float>(G * G);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kLane; ++j) {
+          if (j < left) out[j * plane_bins] = sum[j] / static_cast<float>(G * G);
+        }
       }
     }
   }
