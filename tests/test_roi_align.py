@@ -804,6 +804,47 @@ def test_cuda_band_kernels_by_dtype_and_width():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["few RoIs on a large map", "many RoIs", "odd sizes", "dense, as benchmarked"])
+def test_cuda_band_forward_same_bits_every_call(dtype, case):
+    # The float32 band forward adds a bin's terms in an order set by the bin's place in its
+    # block's list: the lists are grouped in RoI order, so every call gives the same bits.
+    from detops.ops._utils import roi_kernel
+
+    if case == "dense, as benchmarked":
+        batch, c, h, w, k, lo, hi, spill, pooled, sr, aligned = 2, 32, 200, 304, 1024, 4, 200, 0.0, (7, 7), 2, True
+    else:
+        batch, c, h, w, k, lo, hi, spill, pooled, sr, aligned = BAND_CASES[case]
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(batch, c, h, w, generator=g).to(dtype).cuda()
+    rois = dense_rois(batch, k, h, w, lo, hi, 0.25, seed=k, spill=spill).to(dtype).cuda()
+    with roi_kernel("band"):
+        first = roi_align(x, rois, pooled, 0.25, sr, aligned)
+        for _ in range(20):
+            assert torch.equal(roi_align(x, rois, pooled, 0.25, sr, aligned), first)
+
+
+@pytest.mark.cuda
+def test_cuda_band_forward_more_owners_than_shared_counts():
+    # 12000 images of one band each: more owners than the in-order grouping counts in shared
+    # memory, so one warp lists every bin row through the scratch counts.
+    from detops.ops._utils import roi_kernel
+
+    batch = 12000
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(batch, 8, 16, 16, generator=g).cuda()
+    xy = torch.rand(batch, 2, generator=g) * 48  # image coordinates: the maps are 1/4 of 64 x 64
+    wh = 4 + torch.rand(batch, 2, generator=g) * 40
+    rois = torch.cat([torch.arange(batch).float()[:, None], xy, xy + wh], 1).cuda()
+    with roi_kernel("band"):
+        out = roi_align(x, rois, (7, 7), 0.25, 2, True)
+        assert torch.equal(roi_align(x, rois, (7, 7), 0.25, 2, True), out)
+    with roi_kernel("gather"):
+        ref = roi_align(x, rois, (7, 7), 0.25, 2, True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
 def test_cuda_band_kernels_images_without_rois_and_empty_bins():
     from detops.ops._utils import roi_kernel
 

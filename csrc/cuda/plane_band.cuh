@@ -183,18 +183,20 @@ void zero_shared_rows(T* data, int64_t planes, int64_t height, int64_t width, co
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Groups bin rows by owner in one block (a counting sort; the order within an owner does not
-// matter to the kernels): owner `key`'s rows are rows[offsets[key] .. offsets[key + 1]).
-// Bin row i = k * row_div + r is listed as i, or, with row_div > 0 (at most 64), as
-// (k << kRowShift) | r, so that kernels need no division to find the RoI.
-// counts: num_keys + 1 ints of scratch, used only when the counts do not fit in shared memory.
-// Launch with kGroupThreads threads.
 constexpr int kGroupThreads = 1024;
+constexpr int kGroupWarps = kGroupThreads / 32;
+constexpr int64_t kGroupSharedBytes = 46 * 1024;  // under the 48 KiB a block gets without opt-in
+constexpr int kRowShift = 6;  // list entries (k << kRowShift) | r
+
+// Groups bin rows by owner in one block, in no particular order (a counting sort by shared
+// atomics; the order within an owner depends on timing): owner `key`'s rows are
+// rows[offsets[key] .. offsets[key + 1]), each listed as in group_by_owner_kernel. counts:
+// num_keys + 1 ints of scratch, used only when the counts do not fit in shared memory. Launch
+// with kGroupThreads threads, through group_by_owner.
 constexpr int kGroupSharedKeys = 4096;
-constexpr int kRowShift = 6;
 
 template <typename index_t>
-__global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
+__global__ void __launch_bounds__(kGroupThreads) group_by_owner_unordered_kernel(
     const index_t* __restrict__ keys, index_t total, index_t num_keys, index_t* __restrict__ counts,
     index_t* __restrict__ offsets, index_t* __restrict__ rows, index_t row_div = 0) {
   __shared__ index_t carry;
@@ -232,6 +234,147 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
     const index_t listed = row_div > 0 ? ((i / row_div) << kRowShift) | (i % row_div) : i;
     rows[atomicAdd(&cnt[keys[i]], index_t(1))] = listed;
   }
+}
+
+// Groups bin rows by owner in one block, stably (a counting sort): owner `key`'s rows are
+// rows[offsets[key] .. offsets[key + 1]), in increasing order of their index, so that the lists
+// are the same on every call. The kernels' order of work follows them, and so do the bits of
+// those whose sums depend on where in the list a bin lies (the float32 band forward's rotated
+// order of loads and adds). Bin row i = k * row_div + r is listed as i, or, with row_div > 0
+// (at most 64), as (k << kRowShift) | r, so that kernels need no division to find the RoI.
+//
+// The items are cut into `ranges` consecutive ranges (at most one per warp); warp w counts
+// range w's items of each key (32 at a time, the lanes of one key counted once), an exclusive
+// scan of the counts in (key, range) order gives every range its first slot in each key's
+// list, and warp w then writes range w's items in order. No atomics, so no order that depends
+// on timing. The counts take ranges * num_keys ints of shared memory, or of `counts` (num_keys
+// ints of scratch) where even one range's do not fit (`in_shared` false: ranges is 1, one warp
+// walks all items). Launch with kGroupThreads threads, through group_by_owner.
+template <typename index_t>
+__global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
+    const index_t* __restrict__ keys, index_t total, index_t num_keys, index_t* __restrict__ counts,
+    index_t* __restrict__ offsets, index_t* __restrict__ rows, index_t row_div, int ranges,
+    bool in_shared) {
+  extern __shared__ __align__(16) unsigned char group_smem[];
+  __shared__ index_t warp_sums[kGroupWarps];
+  __shared__ index_t carry;
+  index_t* const hist = in_shared ? reinterpret_cast<index_t*>(group_smem) : counts;  // [key][range]
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  const unsigned before_lane = (1u << lane) - 1;
+  const int64_t m = static_cast<int64_t>(ranges) * num_keys;
+  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+  const index_t per = (total + ranges - 1) / ranges;
+  const index_t begin = warp < ranges ? min(total, static_cast<index_t>(warp * per)) : total;
+  const index_t end = min(total, static_cast<index_t>(begin + per));
+  // Calls f(i, key, peers) for each item i of this warp's range, 32 at a time (key -1 and no
+  // item past the end); peers: the lanes with the same key. The keys of kHeld chunks load at
+  // once, so that a warp waits on one load per kHeld chunks; a range of kHeld chunks or fewer
+  // keeps its keys from the first walk for the second (`held` true).
+  constexpr int kHeld = 8;
+  // The lanes whose key has the same low key_bits bits, one ballot per bit. 2^key_bits - 1 >=
+  // num_keys, so the -1 of lanes past the end matches no key.
+  const int key_bits = 32 - __clz(static_cast<int>(num_keys));
+  auto same_key = [&](index_t key) {
+    unsigned peers = 0xffffffffu;
+    for (int bit = 0; bit < key_bits; ++bit) {
+      const bool set = (key >> bit) & 1;
+      const unsigned b = __ballot_sync(0xffffffffu, set);
+      peers &= set ? b : ~b;
+    }
+    return peers;
+  };
+  index_t keys_held[kHeld];
+  auto walk = [&](bool held, auto&& f) {
+    for (index_t base = begin; base < end; base += 32 * kHeld) {
+      if (!held) {
+#pragma unroll
+        for (int u = 0; u < kHeld; ++u) {
+          const index_t i = base + 32 * u + lane;
+          keys_held[u] = i < end ? keys[i] : index_t(-1);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kHeld; ++u) {
+        if (base + 32 * u >= end) break;
+        f(base + 32 * u + lane, keys_held[u], same_key(keys_held[u]));
+        __syncwarp();
+      }
+    }
+  };
+  // 1. counts of each key in each range; a key's lowest lane adds its lanes
+  walk(false, [&](index_t, index_t key, unsigned peers) {
+    if (key >= 0 && (peers & before_lane) == 0) hist[static_cast<int64_t>(key) * ranges + warp] += __popc(peers);
+  });
+  __syncthreads();
+  // 2. exclusive scan in (key, range) order, a block-wide pass per blockDim entries
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < m; base += blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    const index_t v = i < m ? hist[i] : 0;
+    index_t incl = v;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const index_t u = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += u;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+      index_t w = warp_sums[lane];
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const index_t u = __shfl_up_sync(0xffffffffu, w, d);
+        if (lane >= d) w += u;
+      }
+      warp_sums[lane] = w;
+    }
+    __syncthreads();
+    if (i < m) hist[i] = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + incl - v;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += warp_sums[kGroupWarps - 1];
+    __syncthreads();
+  }
+  for (index_t key = threadIdx.x; key <= num_keys; key += blockDim.x) {
+    offsets[key] = key < num_keys ? hist[static_cast<int64_t>(key) * ranges] : total;
+  }
+  __syncthreads();
+  // 3. each range's items, in order, from its first slot of their key
+  walk(end - begin <= 32 * kHeld, [&](index_t i, index_t key, unsigned peers) {
+    if (key < 0) return;
+    index_t* const slot = hist + static_cast<int64_t>(key) * ranges + warp;
+    const index_t at = *slot + __popc(peers & before_lane);
+    rows[at] = row_div > 0 ? ((i / row_div) << kRowShift) | (i % row_div) : i;
+    __syncwarp(peers);
+    if ((peers & before_lane) == 0) *slot += __popc(peers);
+  });
+}
+
+// Lists keys[0 .. total) in [0, num_keys) by owner: in index order within each owner
+// (group_by_owner_kernel) where `in_order`, else in any order (group_by_owner_unordered_kernel,
+// for kernels whose results do not depend on the order of their work; faster, and with many
+// keys much faster). counts: num_keys + 1 ints of scratch, used only when the counts do not fit
+// in shared memory.
+template <typename index_t>
+void group_by_owner(
+    const index_t* keys, int64_t total, int64_t num_keys, index_t* counts, index_t* offsets,
+    index_t* rows, int row_div, bool in_order, cudaStream_t stream) {
+  if (!in_order) {
+    group_by_owner_unordered_kernel<index_t><<<1, kGroupThreads, 0, stream>>>(
+        keys, static_cast<index_t>(total), static_cast<index_t>(num_keys), counts, offsets, rows,
+        static_cast<index_t>(row_div));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  const int64_t fit = kGroupSharedBytes / static_cast<int64_t>(sizeof(index_t));
+  const int ranges = static_cast<int>(std::clamp<int64_t>(fit / std::max<int64_t>(num_keys, 1), 1, kGroupWarps));
+  const bool in_shared = ranges * num_keys <= fit;
+  const size_t smem = in_shared ? static_cast<size_t>(ranges * num_keys) * sizeof(index_t) : 0;
+  group_by_owner_kernel<index_t><<<1, kGroupThreads, smem, stream>>>(
+      keys, static_cast<index_t>(total), static_cast<index_t>(num_keys), counts, offsets, rows,
+      static_cast<index_t>(row_div), ranges, in_shared);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The budget for a staged band on the current device: `wanted`, or less where a block may not

@@ -14,9 +14,10 @@
 //      batch * bands instead: no band block reads it, the forward's blocks of that key write
 //      its bins as zeros and the backward gives it no gradient. So RoIs far outside the
 //      map (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
-//   2. each block lists the bin rows with its key, then for each channel of its group (each
-//      two, four or eight channels, in the forward) stages the band and computes the listed
-//      bins.
+//   2. each block lists the bin rows with its key (for the float32 forward, in bin-row order, so
+//      that its sums, whose order follows the list, give the same bits on every call), then for
+//      each channel of its group (each two, four or eight channels, in the forward) stages the
+//      band and computes the listed bins.
 // Forward: pixel rows past the staged window (a bin row taller than the overlap) are read from
 // global memory. The forward is bound by load wavefronts (the taps from L1/L2, shared-memory
 // reads with bank conflicts), not by arithmetic: so taps are 8 bytes, loaded two at a time,
@@ -923,12 +924,15 @@ bool band_applies(
   return reads >= 4.0 && pixels * channels * elem_bytes >= (rotated ? 10.0 : 48.0) * (1 << 20);
 }
 
+// The taps and the owners' lists of bin rows (band_taps_kernel, plane_band::group_by_owner).
+// in_order: each owner's list in bin-row order, the same on every call, for kernels whose sums
+// follow the list (else in whatever order the grouping's atomics leave it).
 template <typename acc_t>
 BandSetup setup_bands(
     const at::Tensor& rois, int64_t batch, int64_t channels, int64_t height, int64_t width,
     int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned,
     double spatial_scale, const BandPlan& plan, cudaStream_t stream, int64_t channel_step = 1,
-    bool check = false) {
+    bool check = false, bool in_order = false) {
   BandSetup s;
   s.plan = plan;
   const int64_t num_rois = rois.size(0);
@@ -952,10 +956,9 @@ BandSetup setup_bands(
       static_cast<acc_t>(spatial_scale), static_cast<int>(sampling_ratio), aligned, s.plan,
       reinterpret_cast<BandTap<acc_t>*>(s.scratch.data_ptr<uint8_t>()), keys, s.tall, check);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  plane_band::group_by_owner_kernel<int32_t><<<1, plane_band::kGroupThreads, 0, stream>>>(
-      keys, static_cast<int32_t>(s.rows_total), static_cast<int32_t>(s.num_keys + 1), counts, offsets,
-      rows, static_cast<int32_t>(pooled_height));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  plane_band::group_by_owner<int32_t>(
+      keys, s.rows_total, s.num_keys + 1, counts, offsets, rows, static_cast<int>(pooled_height), in_order,
+      stream);
   // Channel groups: about four blocks per block slot of the GPU, so that a slow block (a band
   // with many bin rows) does not leave the GPU idle at the end.
   const int64_t slots = 2 * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
@@ -1020,7 +1023,8 @@ bool roi_align_forward_band(
     }
     const BandSetup s = setup_bands<acc_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
-        spatial_scale, plan, stream, nc, /*check=*/true);  // the caller leaves the batch-index check to the setup
+        spatial_scale, plan, stream, nc, /*check=*/true,  // the caller leaves the batch-index check to the setup
+        /*in_order=*/rotated);  // the rotated kernel's sums follow the list order: the same lists, the same bits
     // one more column of blocks: those of the discard key, which write its bins' zeros
     const dim3 grid(s.grid.x + 1, s.grid.y);
     auto launch = [&](auto kernel, int threads, auto... more) {

@@ -8,7 +8,7 @@
 //   1. roi_pool_owner_kernel keys each bin row (k, ph) by the band holding its first pixel row,
 //      image * bands + band; the bin rows of a RoI whose batch index is invalid get the extra
 //      key B * bands (they add nothing);
-//   2. group_by_owner_kernel lists the bin rows of each key;
+//   2. group_by_owner lists the bin rows of each key (in any order);
 //   3. a block adds the gradients of its bin rows at their argmax pixels into a shared-memory
 //      band (shared-memory atomics) and writes the band out: rows only it stages are stored,
 //      rows two bands stage are added to (zeroed beforehand), so grad_input needs no zeroing.
@@ -249,10 +249,8 @@ PoolSetup setup_pool_bands(
       s.rows_total, rois.const_data_ptr<scalar_t>(), static_cast<acc_t>(spatial_scale), s.shape,
       s.plan, s.keys(), s.tall(), s.stray());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  plane_band::group_by_owner_kernel<int32_t><<<1, plane_band::kGroupThreads, 0, stream>>>(
-      s.keys(), static_cast<int32_t>(s.rows_total), static_cast<int32_t>(s.num_keys), s.counts(),
-      s.offsets(), s.rows());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  plane_band::group_by_owner<int32_t>(
+      s.keys(), s.rows_total, s.num_keys, s.counts(), s.offsets(), s.rows(), 0, /*in_order=*/false, stream);
   return s;
 }
 

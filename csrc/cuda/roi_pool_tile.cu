@@ -13,7 +13,7 @@
 //      the extra key B * tiles (and such an index fails a device assertion, as
 //      roi_checks::check_batch_indices_async would). It also takes, per tile, the bounding
 //      window of its bins' pixels (from the tile's corner to the furthest bin end);
-//   2. group_by_owner_kernel (plane_band.cuh) lists the bins of each key;
+//   2. group_by_owner (plane_band.cuh) lists the bins of each key (in any order);
 //   3. roi_pool_tile_forward_kernel: a block per (key, group of channels) stages its tile's
 //      window, cut down to the staging capacity, of its channels (pixel-major: a pixel's
 //      channels are adjacent, 33 words apart from the next pixel, so that both the staging
@@ -409,9 +409,7 @@ bool roi_pool_forward_tile(
     roi_pool_tile_keys_kernel<scalar_t><<<cuda::grid_for(total, 256), 256, 0, stream>>>(
         total, rois.const_data_ptr<scalar_t>(), scale, shape, plan, keys, reach);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    plane_band::group_by_owner_kernel<int32_t><<<1, plane_band::kGroupThreads, 0, stream>>>(
-        keys, static_cast<int32_t>(total), static_cast<int32_t>(num_keys), counts, offsets, rows);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    plane_band::group_by_owner<int32_t>(keys, total, num_keys, counts, offsets, rows, 0, /*in_order=*/false, stream);
     const int64_t list_offset = cuda::round_up(static_cast<int64_t>(plan.capacity) * kPixelWords * word_bytes(input), 16);
     const int64_t smem = list_offset + kTileList * static_cast<int64_t>(sizeof(TileBin));
     auto kernel = roi_pool_tile_forward_kernel<scalar_t>;
