@@ -845,6 +845,57 @@ def test_cuda_band_forward_more_owners_than_shared_counts():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_band_forward_first_wave_without_bin_rows(dtype):
+    # The band forward's first wave of blocks stages its band before the lists are ready (on
+    # compute capability 9.0 and later, while the grouping runs): here every RoI lies in the
+    # last of eight images, so the first wave's bands have no bin rows and the blocks that
+    # have them mostly start later.
+    from detops.ops._utils import roi_kernel
+
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(8, 64, 200, 304, generator=g).to(dtype).cuda()
+    rois = dense_rois(1, 400, 200, 304, 4, 120, 0.25, seed=13).to(dtype).cuda()
+    rois[:, 0] = 7
+    with roi_kernel("band"):
+        out = roi_align(x, rois, (7, 7), 0.25, 2, True)
+    with roi_kernel("gather"):
+        ref = roi_align(x, rois, (7, 7), 0.25, 2, True)
+    tol = 1e-5 if dtype == torch.float32 else LOW_TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_band_forward_in_cuda_graph(dtype):
+    # The band forward starts while the grouping before it runs (a programmatic dependent
+    # launch): captured in a CUDA graph, it replays on new inputs with the bits of an eager call.
+    from detops.ops._utils import roi_kernel
+
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(2, 32, 200, 304, generator=g).to(dtype).cuda()
+    rois = dense_rois(2, 600, 200, 304, 4, 200, 0.25, seed=17).to(dtype).cuda()
+    with roi_kernel("band"):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            roi_align(x, rois, (7, 7), 0.25, 2, True)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = roi_align(x, rois, (7, 7), 0.25, 2, True)
+        for seed in (1, 2):
+            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(dtype))
+            rois[:, 1:].copy_(dense_rois(2, 600, 200, 304, 4, 200, 0.25, seed=seed)[:, 1:].to(dtype))
+            graph.replay()
+            assert torch.equal(out, roi_align(x, rois, (7, 7), 0.25, 2, True))
+    with roi_kernel("gather"):
+        ref = roi_align(x, rois, (7, 7), 0.25, 2, True)
+    tol = 1e-5 if dtype == torch.float32 else LOW_TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.cuda
 def test_cuda_band_kernels_images_without_rois_and_empty_bins():
     from detops.ops._utils import roi_kernel
 

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "cuda_helpers.h"
 
@@ -183,6 +184,55 @@ void zero_shared_rows(T* data, int64_t planes, int64_t height, int64_t width, co
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Programmatic dependent launch (compute capability 9.0 and later): a kernel launched by
+// launch_early may start while the kernel before it in the stream still runs, once every block
+// of that kernel has called let_dependents_start(), and does work that does not depend on it
+// (staging its first band) before wait_for_prior_grid(). Elsewhere both are no-ops and the
+// launch is an ordinary one.
+__device__ __forceinline__ void let_dependents_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Returns once the kernel before this one in the stream has finished and its writes are
+// visible (at once where this kernel was not launched early).
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Whether launch_early launches early on the current device.
+inline bool early_launch_supported() {
+  return at::cuda::getCurrentDeviceProperties()->major >= 9;
+}
+
+// kernel<<<grid, threads, smem, stream>>>(args...), launched early (see let_dependents_start)
+// where `early` (only where early_launch_supported()). Its blocks must call
+// wait_for_prior_grid() before they read anything the kernels before it write.
+template <typename... Params, typename... Args>
+void launch_early(
+    void (*kernel)(Params...), bool early, dim3 grid, int threads, size_t smem, cudaStream_t stream,
+    Args&&... args) {
+  if (!early) {
+    kernel<<<grid, threads, smem, stream>>>(std::forward<Args>(args)...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 constexpr int kGroupThreads = 1024;
 constexpr int kGroupWarps = kGroupThreads / 32;
 constexpr int64_t kGroupSharedBytes = 46 * 1024;  // under the 48 KiB a block gets without opt-in
@@ -199,6 +249,7 @@ template <typename index_t>
 __global__ void __launch_bounds__(kGroupThreads) group_by_owner_unordered_kernel(
     const index_t* __restrict__ keys, index_t total, index_t num_keys, index_t* __restrict__ counts,
     index_t* __restrict__ offsets, index_t* __restrict__ rows, index_t row_div = 0) {
+  let_dependents_start();  // a band kernel launched early stages its first band meanwhile
   __shared__ index_t carry;
   __shared__ index_t part[kGroupThreads];
   __shared__ index_t local[kGroupSharedKeys];
@@ -255,6 +306,7 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
     const index_t* __restrict__ keys, index_t total, index_t num_keys, index_t* __restrict__ counts,
     index_t* __restrict__ offsets, index_t* __restrict__ rows, index_t row_div, int ranges,
     bool in_shared) {
+  let_dependents_start();  // a band kernel launched early stages its first band meanwhile
   extern __shared__ __align__(16) unsigned char group_smem[];
   __shared__ index_t warp_sums[kGroupWarps];
   __shared__ index_t carry;

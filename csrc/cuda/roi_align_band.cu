@@ -17,7 +17,9 @@
 //   2. each block lists the bin rows with its key (for the float32 forward, in bin-row order, so
 //      that its sums, whose order follows the list, give the same bits on every call), then for
 //      each channel of its group (each two, four or eight channels, in the forward) stages the
-//      band and computes the listed bins.
+//      band and computes the listed bins. On compute capability 9.0 and later the forward is
+//      launched to start while the grouping still runs (plane_band::launch_early): the blocks
+//      of its first wave stage their first band meanwhile, and wait for the lists only then.
 // Forward: pixel rows past the staged window (a bin row taller than the overlap) are read from
 // global memory. The forward is bound by load wavefronts (the taps from L1/L2, shared-memory
 // reads with bank conflicts), not by arithmetic: so taps are 8 bytes, loaded two at a time,
@@ -233,16 +235,34 @@ struct BandBlock {
   int nc;             // its channels
 };
 
-__device__ __forceinline__ BandBlock band_block(
-    const int32_t* __restrict__ offsets, const BandShape& sh, const BandPlan& plan) {
+// The block's band, image and channels, which its place in the grid gives (its list is
+// left empty).
+__device__ __forceinline__ BandBlock band_place(const BandShape& sh, const BandPlan& plan) {
   BandBlock k;
   k.bi = static_cast<int>(blockIdx.x % plan.bands);
   k.b = blockIdx.x / plan.bands;
-  k.first_row = offsets[blockIdx.x];
-  k.n = offsets[blockIdx.x + 1] - k.first_row;
+  k.first_row = 0;
+  k.n = 0;
   k.c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
   k.nc = static_cast<int>(min(sh.channels - k.c0, static_cast<int64_t>(sh.channels_per_block)));
   return k;
+}
+
+__device__ __forceinline__ BandBlock band_block(
+    const int32_t* __restrict__ offsets, const BandShape& sh, const BandPlan& plan) {
+  BandBlock k = band_place(sh, plan);
+  k.first_row = offsets[blockIdx.x];
+  k.n = offsets[blockIdx.x + 1] - k.first_row;
+  return k;
+}
+
+// Whether this block of a band forward launched early stages its first channels' band before
+// the lists are ready: the first `early_blocks` blocks in launch order (about one wave, which
+// starts while the grouping runs), except the discard key's. The others wait first, so that
+// a band without bin rows stages nothing.
+__device__ __forceinline__ bool stages_early(int early_blocks, int32_t discard) {
+  return static_cast<int>(blockIdx.x) != discard &&
+      blockIdx.x + static_cast<int64_t>(blockIdx.y) * gridDim.x < early_blocks;
 }
 
 // Adds v to the acc_t at a shared address (a compare-and-swap loop on GPUs without a native
@@ -376,36 +396,44 @@ template <typename scalar_t, typename acc_t, int G, int NC, int kThreads = kBand
 __global__ void __launch_bounds__(kThreads) roi_align_band_forward_kernel(
     const scalar_t* __restrict__ input, const BandTap<acc_t>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
-    BandPlan plan, int32_t discard, scalar_t* __restrict__ output) {
+    BandPlan plan, int32_t discard, scalar_t* __restrict__ output, int early_blocks) {
   extern __shared__ __align__(16) unsigned char smem[];
   scalar_t* band = reinterpret_cast<scalar_t*>(smem);
+  const BandBlock place = band_place(sh, plan);
+  const BandRows window = plane_band::band_rows(plan, place.bi, sh.height);
+  const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
+  // the planes of channels c0 + ci .. c0 + ci + NC - 1; past the group's last channel, the last
+  // again (staged and computed, not written)
+  auto planes_at = [&](int ci) {
+    PlaneRows<scalar_t, NC> planes;
+    planes.width = sh.width;
+#pragma unroll
+    for (int j = 0; j < NC; ++j) {
+      planes.plane[j] = input + (place.b * sh.channels + place.c0 + min(ci + j, place.nc - 1)) * plane_size;
+    }
+    return planes;
+  };
+  const bool early = stages_early(early_blocks, discard);
+  if (early) plane_band::stage_rows<scalar_t, NC>(planes_at(0).plane, sh.width, plan, window, band);
+  plane_band::wait_for_prior_grid();  // the lists and taps
   const BandBlock blk = band_block(offsets, sh, plan);
   if (blk.n == 0) return;
   if (blockIdx.x == discard) {
     zero_discarded_bins<scalar_t, acc_t, G>(blk, rows, sh, taps, output);
     return;
   }
-  const int64_t b = blk.b, c0 = blk.c0;
+  const int64_t c0 = blk.c0;
   const int n = blk.n, nc = blk.nc;
   const int pw_n = sh.pooled_width;
   const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
-  const BandRows window = plane_band::band_rows(plan, blk.bi, sh.height);
-  const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
   constexpr int32_t kBytes = static_cast<int32_t>(NC * sizeof(scalar_t));  // a staged pixel
   const StagedRows<scalar_t, NC> staged_rows{static_cast<uint32_t>(__cvta_generic_to_shared(band)), window.first,
                                              plan.stride * kBytes};
   for (int ci = 0; ci < nc; ci += NC) {
     const int64_t c = c0 + ci;
-    // the planes of channels c .. c + NC - 1; past the group's last channel, the last again
-    // (staged and computed, not written)
-    PlaneRows<scalar_t, NC> planes;
-    planes.width = sh.width;
-#pragma unroll
-    for (int j = 0; j < NC; ++j) {
-      planes.plane[j] = input + (b * sh.channels + c0 + min(ci + j, nc - 1)) * plane_size;
-    }
+    const PlaneRows<scalar_t, NC> planes = planes_at(ci);
     if (ci > 0) __syncthreads();  // the previous channels' band is no longer read
-    plane_band::stage_rows<scalar_t, NC>(planes.plane, sh.width, plan, window, band);
+    if (ci > 0 || !early) plane_band::stage_rows<scalar_t, NC>(planes.plane, sh.width, plan, window, band);
     __syncthreads();
     for (ListWalk w(pw_n); w.e < n; w.next(pw_n)) {
       const int pw = w.pw;
@@ -479,38 +507,26 @@ template <int G>
 __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotated_kernel(
     const float* __restrict__ input, const BandTap<float>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
-    BandPlan plan, int32_t discard, float* __restrict__ output, int ahead) {
+    BandPlan plan, int32_t discard, float* __restrict__ output, int ahead, int early_blocks) {
   constexpr int kLane = 4;           // channels per lane: 16 bytes
   constexpr int kPixel = 2 * kLane;  // channels per staged pixel: 32 bytes
   using Half = Lanes<float, kLane>;
   extern __shared__ __align__(16) unsigned char smem[];
-  const BandBlock blk = band_block(offsets, sh, plan);
-  if (blk.n == 0) return;
-  if (blockIdx.x == discard) {
-    zero_discarded_bins<float, float, G>(blk, rows, sh, taps, output);
-    return;
-  }
-  const int64_t b = blk.b, c0 = blk.c0;
-  const int n = blk.n, nc = blk.nc;
-  const int pw_n = sh.pooled_width;
-  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
-  const int plane_bins = sh.pooled_height * pw_n;  // at most 64 x 64
-  const BandRows window = plane_band::band_rows(plan, blk.bi, sh.height);
+  const BandBlock place_in_grid = band_place(sh, plan);
+  const int64_t b = place_in_grid.b, c0 = place_in_grid.c0;
+  const int nc = place_in_grid.nc;
+  const BandRows window = plane_band::band_rows(plan, place_in_grid.bi, sh.height);
   const int n_rows = window.last - window.first;
   const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
-  const uint32_t band = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int32_t pitch = plan.stride * kRotatedPixelBytes;  // bytes per staged row
   const int lane = static_cast<int>(threadIdx.x % 32), half = lane & 1;
-  const int place = (lane >> 1) & 3;  // the bin's place in its load phase
   Half* const staged = reinterpret_cast<Half*>(smem);
-  for (int ci = 0; ci < nc; ci += kPixel) {
-    const int64_t c = c0 + ci;
-    // this lane's planes (channels c + kLane * half ..); past the group's last channel, the
-    // last again (staged and computed, not written)
-    const float* const lane_planes = input + (b * sh.channels + c0) * plane_size;
-    auto plane = [&](int j) { return lane_planes + min(ci + kLane * half + j, nc - 1) * plane_size; };
-    if (ci > 0) __syncthreads();  // the previous channels' band is no longer read
-    // a warp per staged row, a lane per half pixel: the warp stores 512 consecutive bytes
+  // this lane's planes (channels c0 + ci + kLane * half ..); past the group's last channel, the
+  // last again (staged and computed, not written)
+  const float* const lane_planes = input + (b * sh.channels + c0) * plane_size;
+  auto plane = [&](int ci, int j) { return lane_planes + min(ci + kLane * half + j, nc - 1) * plane_size; };
+  // stages channels c0 + ci .. c0 + ci + kPixel - 1: a warp per staged row, a lane per half
+  // pixel, so that the warp stores 512 consecutive bytes
+  auto stage = [&](int ci) {
     for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += static_cast<int>(blockDim.x / 32)) {
       const int64_t row = static_cast<int64_t>(window.first + r) * sh.width;
       Half* dst = staged + static_cast<int64_t>(r) * plan.stride * 2 + half;
@@ -518,10 +534,31 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
       for (int x = lane >> 1; x < sh.width; x += 16) {
         Half v;
 #pragma unroll
-        for (int j = 0; j < kLane; ++j) v.v[j] = plane(j)[row + x];
+        for (int j = 0; j < kLane; ++j) v.v[j] = plane(ci, j)[row + x];
         dst[2 * x] = v;
       }
     }
+  };
+  const bool early = stages_early(early_blocks, discard);
+  if (early) stage(0);
+  plane_band::wait_for_prior_grid();  // the lists and taps
+  const BandBlock blk = band_block(offsets, sh, plan);
+  if (blk.n == 0) return;
+  if (blockIdx.x == discard) {
+    zero_discarded_bins<float, float, G>(blk, rows, sh, taps, output);
+    return;
+  }
+  const int n = blk.n;
+  const int pw_n = sh.pooled_width;
+  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
+  const int plane_bins = sh.pooled_height * pw_n;  // at most 64 x 64
+  const uint32_t band = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int32_t pitch = plan.stride * kRotatedPixelBytes;  // bytes per staged row
+  const int place = (lane >> 1) & 3;  // the bin's place in its load phase
+  for (int ci = 0; ci < nc; ci += kPixel) {
+    const int64_t c = c0 + ci;
+    if (ci > 0) __syncthreads();  // the previous channels' band is no longer read
+    if (ci > 0 || !early) stage(ci);
     __syncthreads();
     if (ci == 0) prefetch_later_band(input, offsets, sh, plan, discard, ahead);
     for (ListWalk w(pw_n, static_cast<int>(threadIdx.x >> 1), static_cast<int>(blockDim.x >> 1)); w.e < n;
@@ -571,7 +608,7 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
         PlaneRows<float, kLane> pixels;
         pixels.width = sh.width;
 #pragma unroll
-        for (int j = 0; j < kLane; ++j) pixels.plane[j] = plane(j);
+        for (int j = 0; j < kLane; ++j) pixels.plane[j] = plane(ci, j);
         add_samples<float, float, G, kLane>(pixels, ty, tx, sh, sum);
       }
       // this lane's channels left in the group (kLane or more but in a group's last pixel);
@@ -1027,12 +1064,22 @@ bool roi_align_forward_band(
         /*in_order=*/rotated);  // the rotated kernel's sums follow the list order: the same lists, the same bits
     // one more column of blocks: those of the discard key, which write its bins' zeros
     const dim3 grid(s.grid.x + 1, s.grid.y);
+    // Launched early (plane_band::launch_early): the blocks of the first wave, which start while
+    // the grouping runs, stage their first band meanwhile (BENCHMARKS.md, "roi_align band
+    // forward: the first wave staged during the grouping").
+    const bool early = plane_band::early_launch_supported();
+    const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
     auto launch = [&](auto kernel, int threads, auto... more) {
       plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
-      kernel<<<grid, threads, s.smem, stream>>>(
-          input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, s.plan,
-          static_cast<int32_t>(s.num_keys), output.data_ptr<scalar_t>(), more...);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      // blocks of one wave: as many as the SMs' shared memory and threads hold
+      const int64_t per_sm = std::max<int64_t>(1, std::min<int64_t>(
+          static_cast<int64_t>(props->sharedMemPerMultiprocessor) / static_cast<int64_t>(s.smem + 1024),
+          props->maxThreadsPerMultiProcessor / threads));
+      const int early_blocks = early ? static_cast<int>(per_sm * props->multiProcessorCount) : 0;
+      plane_band::launch_early(
+          kernel, early, grid, threads, s.smem, stream, input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(),
+          s.offsets(), s.rows(), s.shape, s.plan, static_cast<int32_t>(s.num_keys), output.data_ptr<scalar_t>(),
+          more..., early_blocks);
     };
     with_grid(sampling_ratio, [&](auto g) {
       constexpr int G = decltype(g)::value;
