@@ -610,6 +610,33 @@ def test_cuda_deterministic_backward_cases(dtype, case):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("sampling_ratio", [2, -1])
+def test_cuda_deterministic_mode_writes_whole_buffers(sampling_ratio):
+    # Under deterministic algorithms at::empty fills new memory with NaN; the forward's output
+    # and the deterministic backward's buffers and grad_input skip that fill, since their
+    # kernels write every element. Blocks of their sizes are filled with NaN and freed first, so
+    # that the caching allocator hands them out again and an element left unwritten shows.
+    batch, channels, height, width, k = 3, 37, 30, 34, 120
+    rois = dense_rois(batch, k, height, width, 1, 30, 0.25, seed=4, spill=0.2).float()
+    rois[:, 0] = torch.where(rois[:, 0] == 1, 0.0, rois[:, 0])  # image 1 has no RoIs
+    rois = rois.cuda()
+    x = torch.randn(batch, channels, height, width, device="cuda")
+    grad = torch.randn(k, channels, 7, 7, device="cuda")
+    args = (rois, 0.25, 7, 7, batch, channels, height, width, sampling_ratio, True)
+    for numel in (batch * channels * height * width, k * channels * 49, k * 49 * 4 * 4 * 2, k * 49 * 4 * 4, 4 * k):
+        poison = torch.full((numel,), float("nan"), device="cuda")
+        del poison
+    with deterministic_algorithms(True):
+        out = roi_align(x, rois, 7, 0.25, sampling_ratio, True)
+        gi = torch.ops.detops._roi_align_backward(grad, *args)
+    assert not out.isnan().any() and not gi.isnan().any()
+    torch.testing.assert_close(out, roi_align(x, rois, 7, 0.25, sampling_ratio, True), rtol=0, atol=0)
+    ref = torch.ops.detops._roi_align_backward(grad.cpu(), rois.cpu(), *args[1:])
+    torch.testing.assert_close(gi.cpu(), ref, atol=2e-5 * max(1.0, ref.abs().max().item()), rtol=0)
+    assert gi[1].abs().max() == 0
+
+
+@pytest.mark.cuda
 def test_cuda_deterministic_backward_images_without_rois_and_invalid_indices():
     x = torch.randn(4, 3, 16, 16, device="cuda", requires_grad=True)
     rois = torch.tensor([[2, 1.0, 1.0, 30.0, 40.0], [0, 10.0, 5.0, 50.0, 60.0], [2, 0.0, 0.0, 64.0, 64.0]], device="cuda")

@@ -1,7 +1,9 @@
 // Small helpers shared by the CUDA kernel files.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
@@ -24,6 +26,16 @@ inline unsigned int grid_for(int64_t n, int threads) {
   const int64_t blocks = ceil_div(n, threads);
   const int64_t cap = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 32;
   return static_cast<unsigned int>(std::max<int64_t>(1, std::min(blocks, cap)));
+}
+
+// An uninitialized CUDA tensor for a buffer whose every element a kernel writes before
+// anything reads it. Under torch.use_deterministic_algorithms(True), at::empty fills new memory
+// with NaN (torch.utils.deterministic.fill_uninitialized_memory), one more kernel and one more
+// pass over the buffer, which such a buffer does not need: 50 µs of fills in each
+// deterministic roi_align backward of the benchmark (BENCHMARKS.md, "roi_align deterministic
+// backward: fewer launches").
+inline at::Tensor empty_written(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::Tensor(at::detail::empty_cuda(sizes, options));
 }
 
 }  // namespace cuda

@@ -508,8 +508,9 @@ at::Tensor roi_align_forward_cuda(
       kForwardOp, input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio);
   checks::check_device(kForwardOp, "input", input, at::kCUDA);
   const c10::cuda::CUDAGuard guard(input.device());
+  // every element written by the kernels
   at::Tensor output =
-      at::empty({rois.size(0), input.size(1), pooled_height, pooled_width}, input.options());
+      cuda::empty_written({rois.size(0), input.size(1), pooled_height, pooled_width}, input.options());
   if (output.numel() == 0) return output;
   const int64_t batch = input.size(0);
   const at::Tensor r = rois.to(acc_dtype_of(rois.scalar_type())).contiguous();
@@ -679,7 +680,8 @@ at::Tensor roi_align_backward_cuda(
   const at::Tensor r = rois.to(acc_dtype_of(dtype)).contiguous();
 
   if (at::globalContext().deterministicAlgorithms()) {
-    at::Tensor grad_input = at::empty({batch_size, channels, height, width}, grad.options());
+    // every element written by either deterministic backward
+    at::Tensor grad_input = cuda::empty_written({batch_size, channels, height, width}, grad.options());
     if (roi_align_backward_deterministic_staged(
             grad, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,
             grad_input)) {

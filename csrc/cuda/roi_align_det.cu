@@ -3,8 +3,8 @@
 //
 // The contributions of bilinear sampling (pixel, source bin, weight) do not depend on the
 // channel. They are listed once:
-//   1. RoIs are ranked within their image (a stable sort by batch index, so ranks follow the
-//      RoI order);
+//   1. RoIs are ranked within their image (grouped by image in RoI order, a stable counting
+//      sort: plane_band::group_by_owner);
 //   2. one thread per (RoI, bin) writes the bin's contributions: the key (image, pixel) and
 //      the entry (rank * bins + bin, weight);
 //   3. a stable sort by key groups each pixel's contributions, in list order (RoI index, then
@@ -32,6 +32,7 @@
 #include "../common/checks.h"
 #include "../common/roi_align_geometry.h"
 #include "cuda_helpers.h"
+#include "plane_band.cuh"
 #include "roi_align_rois.cuh"
 
 namespace detops {
@@ -63,21 +64,22 @@ using roi_align_cuda::bins_of;
 // The image of each RoI, or `batch` for a RoI whose batch index is not valid.
 template <typename acc_t>
 __global__ void det_image_kernel(
-    int64_t num_rois, const acc_t* __restrict__ rois, int64_t batch, int64_t* __restrict__ image) {
+    int64_t num_rois, const acc_t* __restrict__ rois, int64_t batch, int32_t* __restrict__ image) {
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < num_rois;
        k += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t b = roi_align::roi_batch_index(rois[k * 5], batch);
-    image[k] = b < 0 ? batch : b;
+    image[k] = static_cast<int32_t>(b < 0 ? batch : b);
   }
 }
 
-// rank[order[i]] = i - starts[sorted_image[i]]: the RoI's position among its image's RoIs.
+// rank[order[i]] = i - starts[image[order[i]]]: the RoI's position among its image's RoIs.
 __global__ void det_rank_kernel(
-    int64_t num_rois, const int64_t* __restrict__ order, const int64_t* __restrict__ sorted_image,
-    const int64_t* __restrict__ starts, int64_t* __restrict__ rank) {
+    int64_t num_rois, const int32_t* __restrict__ order, const int32_t* __restrict__ image,
+    const int32_t* __restrict__ starts, int32_t* __restrict__ rank) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_rois;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    rank[order[i]] = i - starts[sorted_image[i]];
+    const int32_t k = order[i];
+    rank[k] = static_cast<int32_t>(i) - starts[image[k]];
   }
 }
 
@@ -88,7 +90,7 @@ __global__ void det_contribution_kernel(
     int64_t total_bins, const acc_t* __restrict__ rois, int64_t batch, int64_t height,
     int64_t width, int64_t pooled_height, int64_t pooled_width, acc_t scale,
     int64_t sampling_ratio, bool aligned, const int64_t* __restrict__ first, int64_t per_roi,
-    const int64_t* __restrict__ rank, key_t* __restrict__ keys, DetEntry<acc_t>* __restrict__ entries) {
+    const int32_t* __restrict__ rank, key_t* __restrict__ keys, DetEntry<acc_t>* __restrict__ entries) {
   const int64_t plane = height * width;
   const key_t sentinel = static_cast<key_t>(batch * plane);
   const int64_t bins = pooled_height * pooled_width;
@@ -112,7 +114,7 @@ __global__ void det_contribution_kernel(
       }
       continue;
     }
-    const int32_t src = static_cast<int32_t>(rank[k] * bins + bin);
+    const int32_t src = static_cast<int32_t>(static_cast<int64_t>(rank[k]) * bins + bin);
     const int64_t base = b * plane;
     const int64_t ph = bin / pooled_width, pw = bin % pooled_width;
     BilinearSample<acc_t> s;
@@ -160,7 +162,7 @@ constexpr int kTile = 32;
 
 template <typename scalar_t>
 __global__ void det_transpose_kernel(
-    const scalar_t* __restrict__ grad, const int64_t* __restrict__ order, int64_t channels,
+    const scalar_t* __restrict__ grad, const int32_t* __restrict__ order, int64_t channels,
     int bins, int64_t bin_tiles, scalar_t* __restrict__ gt) {
   __shared__ scalar_t tile[kTile][kTile + 1];
   const int64_t i = blockIdx.x / bin_tiles;
@@ -187,7 +189,7 @@ constexpr int kRunPixels = 128;
 
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kGatherThreads) roi_align_det_transposed_kernel(
-    const scalar_t* __restrict__ gt, const int64_t* __restrict__ starts,
+    const scalar_t* __restrict__ gt, const int32_t* __restrict__ starts,
     const int64_t* __restrict__ segment, const DetEntry<acc_t>* __restrict__ entries,
     int64_t channels, int64_t plane, int bins, int64_t runs, scalar_t* __restrict__ grad_input) {
   __shared__ acc_t sums[kTile][kRunPixels + 1];
@@ -198,7 +200,7 @@ __global__ void __launch_bounds__(kGatherThreads) roi_align_det_transposed_kerne
   const int warps = static_cast<int>(blockDim.x / 32);
   const int64_t c = c0 + lane;
   const bool live = c < channels;
-  const scalar_t* rows = gt + starts[b] * bins * channels + (live ? c : 0);
+  const scalar_t* rows = gt + static_cast<int64_t>(starts[b]) * bins * channels + (live ? c : 0);
   const int64_t* seg = segment + b * plane;
   for (int q = warp; q < kRunPixels; q += warps) {
     const int64_t p = p0 + q;
@@ -248,21 +250,24 @@ void det_backward(
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const auto long_opts = grad.options().dtype(at::kLong);
 
-  // 1. RoIs ranked within their image.
-  at::Tensor image = at::empty({num_rois}, long_opts);
+  // 1. RoIs ranked within their image: grouped by image (RoIs with an invalid batch index as
+  // image `batch`) in RoI order, in one block. order: the RoIs, image by image; starts[b]: the
+  // first position of image b in order (starts[batch + 1] = num_rois); rank[k]: RoI k's
+  // position among its image's. One int32 buffer, every element written before it is read
+  // (group_by_owner's scratch counts by itself).
+  at::Tensor index = cuda::empty_written({3 * num_rois + 2 * (batch + 2)}, grad.options().dtype(at::kInt));
+  int32_t* const image = index.data_ptr<int32_t>();
+  int32_t* const order = image + num_rois;
+  int32_t* const rank = order + num_rois;
+  int32_t* const starts = rank + num_rois;
+  int32_t* const group_counts = starts + batch + 2;
   det_image_kernel<acc_t><<<cuda::grid_for(num_rois, kRankThreads), kRankThreads, 0, stream>>>(
-      num_rois, roi_ptr, batch, image.data_ptr<int64_t>());
+      num_rois, roi_ptr, batch, image);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const auto by_image = image.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
-  const at::Tensor& sorted_image = std::get<0>(by_image);
-  const at::Tensor& order = std::get<1>(by_image);
-  // starts[b]: the first sorted position of image b; starts[batch + 1] = num_rois
-  const at::Tensor starts = at::searchsorted(
-      sorted_image, at::arange(batch + 2, long_opts), /*out_int32=*/false, /*right=*/false);
-  at::Tensor rank = at::empty({num_rois}, long_opts);
+  plane_band::group_by_owner<int32_t>(
+      image, num_rois, batch + 1, group_counts, starts, order, /*row_div=*/0, /*in_order=*/true, stream);
   det_rank_kernel<<<cuda::grid_for(num_rois, kRankThreads), kRankThreads, 0, stream>>>(
-      num_rois, order.const_data_ptr<int64_t>(), sorted_image.const_data_ptr<int64_t>(),
-      starts.const_data_ptr<int64_t>(), rank.data_ptr<int64_t>());
+      num_rois, order, image, starts, rank);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   // 2. The contribution list.
@@ -288,15 +293,15 @@ void det_backward(
   const at::ScalarType key_dtype = c10::CppTypeToScalarType<key_t>::value;
   constexpr int64_t kWords = static_cast<int64_t>(sizeof(DetEntry<acc_t>) / sizeof(int64_t));
   static_assert(sizeof(DetEntry<acc_t>) % sizeof(int64_t) == 0, "entries are whole 8-byte words");
-  at::Tensor keys = at::empty({total}, grad.options().dtype(key_dtype));
-  at::Tensor entries = at::empty({total, kWords}, long_opts);
+  at::Tensor keys = cuda::empty_written({total}, grad.options().dtype(key_dtype));
+  at::Tensor entries = cuda::empty_written({total, kWords}, long_opts);
   if (total > 0) {
     const int64_t total_bins = num_rois * bins;
     det_contribution_kernel<key_t, acc_t>
         <<<cuda::grid_for(total_bins, kRankThreads), kRankThreads, 0, stream>>>(
             total_bins, roi_ptr, batch, height, width, pooled_height, pooled_width, scale,
             sampling_ratio, aligned, first.defined() ? first.const_data_ptr<int64_t>() : nullptr,
-            per_roi, rank.const_data_ptr<int64_t>(),
+            per_roi, rank,
             keys.data_ptr<key_t>(), reinterpret_cast<DetEntry<acc_t>*>(entries.data_ptr()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -305,7 +310,7 @@ void det_backward(
   const auto sorted = keys.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
   const at::Tensor& sorted_keys = std::get<0>(sorted);
   const at::Tensor& perm = std::get<1>(sorted);
-  at::Tensor sorted_entries = at::empty_like(entries);
+  at::Tensor sorted_entries = cuda::empty_written(entries.sizes(), entries.options());
   if (total > 0) {
     det_permute_kernel<acc_t><<<cuda::grid_for(total, kRankThreads), kRankThreads, 0, stream>>>(
         total, perm.const_data_ptr<int64_t>(),
@@ -319,19 +324,19 @@ void det_backward(
 
   // 4. The gather: grad rows of 32 channels, then a warp per pixel.
   const at::Tensor g = grad.contiguous();
-  at::Tensor gt = at::empty({num_rois * bins * channels}, g.options());
+  at::Tensor gt = cuda::empty_written({num_rois * bins * channels}, g.options());
   const int64_t bin_tiles = (bins + kTile - 1) / kTile;
   det_transpose_kernel<scalar_t>
       <<<dim3(static_cast<unsigned>(num_rois * bin_tiles), static_cast<unsigned>((channels + kTile - 1) / kTile)),
          dim3(kTile, 8), 0, stream>>>(
-          g.const_data_ptr<scalar_t>(), order.const_data_ptr<int64_t>(), channels, static_cast<int>(bins),
+          g.const_data_ptr<scalar_t>(), order, channels, static_cast<int>(bins),
           bin_tiles, gt.data_ptr<scalar_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t runs = (plane + kRunPixels - 1) / kRunPixels;
   roi_align_det_transposed_kernel<scalar_t, acc_t>
       <<<dim3(static_cast<unsigned>(batch * runs), static_cast<unsigned>((channels + kTile - 1) / kTile)),
          kGatherThreads, 0, stream>>>(
-          gt.const_data_ptr<scalar_t>(), starts.const_data_ptr<int64_t>(), segment.const_data_ptr<int64_t>(),
+          gt.const_data_ptr<scalar_t>(), starts, segment.const_data_ptr<int64_t>(),
           reinterpret_cast<const DetEntry<acc_t>*>(sorted_entries.const_data_ptr()), channels, plane,
           static_cast<int>(bins), runs, grad_input.data_ptr<scalar_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
