@@ -2,6 +2,10 @@
 
     python -m benchmarks.profile_roi            # torch.profiler: the kernels of each call
     python -m benchmarks.profile_roi --host     # host time per call against GPU time per call
+    # the forward per call: timed alone, back to back, and replayed from a CUDA graph
+    python -m benchmarks.profile_roi --graph --dtypes fp32,bf16 --sizes 7,14
+    # the backward alone and forward+backward, atomic and deterministic
+    python -m benchmarks.profile_roi --deterministic --sizes 7,14
     ncu --clock-control none -k regex:'band|roi_pool|roi_align' \
         --section SpeedOfLight --section Occupancy python -m benchmarks.profile_roi --once
     # the band forward kernel per dtype and output size, one call each:
@@ -17,7 +21,8 @@ import torch
 import torchvision
 
 import detops
-from benchmarks.bench_roi import DTYPES
+from benchmarks.bench_roi import DTYPES, fwd_bwd
+from benchmarks.timing import median_ms
 from detops.ops._utils import roi_kernel
 from detops.testing import random_rois
 
@@ -97,17 +102,88 @@ def host_overhead(calls=20, rounds=15):
         print(f"| {name} | host {statistics.median(issue):.1f} µs | event {statistics.median(events):.1f} µs |")
 
 
+def graph_times(dtypes=("fp32", "bf16"), sizes=(7, 14), calls=40, rounds=7):
+    """roi_align forward per dtype and output size: the event time of one call timed alone (as
+    the benchmarks time it: the host's issue time before the GPU starts counts), the time per
+    call of `calls` calls issued back to back (the host runs ahead: GPU time and the gaps
+    between kernels), and the time of one replay of the call captured in a CUDA graph (GPU time
+    alone, from one launch)."""
+    x = torch.randn(2, 256, 200, 304, device="cuda")
+    rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
+    for dname in dtypes:
+        xd, rd = x.to(DTYPES[dname]), rois.to(DTYPES[dname])
+        for size in sizes:
+            fn = lambda: detops.ops.roi_align(xd, rd, size, 0.25, 2, True)  # noqa: E731
+            alone = median_ms(fn, "cuda", runs=200)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            back_to_back = []
+            for _ in range(rounds):
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                end.synchronize()
+                back_to_back.append(start.elapsed_time(end) / calls)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            replay = median_ms(graph.replay, "cuda", runs=200)
+            print(
+                f"| roi_align fwd, {dname}, {size}x{size} | alone {alone * 1e3:.1f} µs | back to back "
+                f"{statistics.median(back_to_back) * 1e3:.1f} µs | graph replay {replay * 1e3:.1f} µs |",
+                flush=True,
+            )
+
+
+def deterministic_times(sizes=(7, 14), runs=50):
+    """roi_align backward alone and forward+backward, with atomics and under
+    torch.use_deterministic_algorithms(True), and their ratio."""
+    x = torch.randn(2, 256, 200, 304, device="cuda")
+    rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
+    for size in sizes:
+        grad = torch.randn(1024, 256, size, size, device="cuda")
+        backward = lambda: torch.ops.detops._roi_align_backward(  # noqa: E731
+            grad, rois, 0.25, size, size, 2, 256, 200, 304, 2, True)
+        both = lambda: fwd_bwd(lambda a, r: detops.ops.roi_align(a, r, size, 0.25, 2, True), x, rois, grad)  # noqa: E731
+        times = {}
+        for det in (False, True):
+            torch.use_deterministic_algorithms(det)
+            try:
+                times[det] = (median_ms(backward, "cuda", runs=runs), median_ms(both, "cuda", runs=runs))
+            finally:
+                torch.use_deterministic_algorithms(False)
+        (b0, f0), (b1, f1) = times[False], times[True]
+        print(
+            f"| roi_align {size}x{size} | backward {b0 * 1e3:.0f} µs, deterministic {b1 * 1e3:.0f} µs ({b1 / b0:.2f}x) | "
+            f"forward+backward {f0 * 1e3:.0f} µs, deterministic {f1 * 1e3:.0f} µs ({f1 / f0:.2f}x) |",
+            flush=True,
+        )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--once", action="store_true", help="one call of each case (for ncu)")
     p.add_argument("--host", action="store_true", help="host issue time and event time per forward call")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--only-forward", action="store_true", help="only roi_align forward (band kernel) per dtype and size")
-    p.add_argument("--dtypes", default="fp32", help="with --only-forward: fp32,bf16,fp16")
-    p.add_argument("--sizes", default="7", help="with --only-forward: output sizes, e.g. 7,14")
+    p.add_argument("--dtypes", default="fp32", help="with --only-forward or --graph: fp32,bf16,fp16")
+    p.add_argument("--sizes", default="7", help="with --only-forward, --graph or --deterministic: output sizes, e.g. 7,14")
+    p.add_argument("--graph", action="store_true", help="forward per call: alone, back to back, CUDA graph replay")
+    p.add_argument("--deterministic", action="store_true", help="backward and forward+backward, atomic and deterministic")
     a = p.parse_args()
     if a.host:
         host_overhead()
+        return
+    if a.graph:
+        graph_times(tuple(a.dtypes.split(",")), tuple(int(v) for v in a.sizes.split(",")))
+        return
+    if a.deterministic:
+        deterministic_times(tuple(int(v) for v in a.sizes.split(",")))
         return
     sizes = tuple(int(v) for v in a.sizes.split(","))
     for name, (kernel, fn) in cases(a.only_forward, tuple(a.dtypes.split(",")), sizes).items():
