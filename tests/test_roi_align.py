@@ -880,15 +880,29 @@ def test_cuda_band_forward_first_wave_without_bin_rows(dtype):
     # have them mostly start later.
     from detops.ops._utils import roi_kernel
 
-    g = torch.Generator().manual_seed(13)
-    x = torch.randn(8, 64, 200, 304, generator=g).to(dtype).cuda()
-    rois = dense_rois(1, 400, 200, 304, 4, 120, 0.25, seed=13).to(dtype).cuda()
+    x, rois = _benchmark_sized(8, 64, 400, 120, 13, dtype, rois_batch=1)
     rois[:, 0] = 7
     with roi_kernel("band"):
         out = roi_align(x, rois, (7, 7), 0.25, 2, True)
+    _assert_close_to_gather(out, x, rois)
+
+
+def _benchmark_sized(batch, channels, k, max_side, seed, dtype, rois_batch=None):
+    """CUDA maps of the benchmark's 200 x 304 size and k dense RoIs (of images
+    [0, rois_batch), all by default) at scale 1/4."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, channels, 200, 304, generator=g).to(dtype).cuda()
+    rois = dense_rois(rois_batch or batch, k, 200, 304, 4, max_side, 0.25, seed=seed).to(dtype).cuda()
+    return x, rois
+
+
+def _assert_close_to_gather(out, x, rois):
+    """out (a 7x7 band forward of x, rois) against the gather kernels' forward."""
+    from detops.ops._utils import roi_kernel
+
     with roi_kernel("gather"):
         ref = roi_align(x, rois, (7, 7), 0.25, 2, True)
-    tol = 1e-5 if dtype == torch.float32 else LOW_TOL[dtype]
+    tol = 1e-5 if x.dtype == torch.float32 else LOW_TOL[x.dtype]
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
@@ -899,9 +913,7 @@ def test_cuda_band_forward_in_cuda_graph(dtype):
     # launch): captured in a CUDA graph, it replays on new inputs with the bits of an eager call.
     from detops.ops._utils import roi_kernel
 
-    g = torch.Generator().manual_seed(17)
-    x = torch.randn(2, 32, 200, 304, generator=g).to(dtype).cuda()
-    rois = dense_rois(2, 600, 200, 304, 4, 200, 0.25, seed=17).to(dtype).cuda()
+    x, rois = _benchmark_sized(2, 32, 600, 200, 17, dtype)
     with roi_kernel("band"):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -916,10 +928,7 @@ def test_cuda_band_forward_in_cuda_graph(dtype):
             rois[:, 1:].copy_(dense_rois(2, 600, 200, 304, 4, 200, 0.25, seed=seed)[:, 1:].to(dtype))
             graph.replay()
             assert torch.equal(out, roi_align(x, rois, (7, 7), 0.25, 2, True))
-    with roi_kernel("gather"):
-        ref = roi_align(x, rois, (7, 7), 0.25, 2, True)
-    tol = 1e-5 if dtype == torch.float32 else LOW_TOL[dtype]
-    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    _assert_close_to_gather(out, x, rois)
 
 
 @pytest.mark.cuda
