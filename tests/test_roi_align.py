@@ -614,8 +614,9 @@ def test_cuda_deterministic_backward_cases(dtype, case):
 def test_cuda_deterministic_mode_writes_whole_buffers(sampling_ratio):
     # Under deterministic algorithms at::empty fills new memory with NaN; the forward's output
     # and the deterministic backward's buffers and grad_input skip that fill, since their
-    # kernels write every element. Blocks of their sizes are filled with NaN and freed first, so
-    # that the caching allocator hands them out again and an element left unwritten shows.
+    # kernels write every element. Blocks of their sizes (the output and the transposed
+    # gradient are the same size) are filled with NaN and freed first, so that the caching
+    # allocator hands them out again and an element left unwritten shows.
     batch, channels, height, width, k = 3, 37, 30, 34, 120
     rois = dense_rois(batch, k, height, width, 1, 30, 0.25, seed=4, spill=0.2).float()
     rois[:, 0] = torch.where(rois[:, 0] == 1, 0.0, rois[:, 0])  # image 1 has no RoIs
@@ -623,9 +624,11 @@ def test_cuda_deterministic_mode_writes_whole_buffers(sampling_ratio):
     x = torch.randn(batch, channels, height, width, device="cuda")
     grad = torch.randn(k, channels, 7, 7, device="cuda")
     args = (rois, 0.25, 7, 7, batch, channels, height, width, sampling_ratio, True)
-    for numel in (batch * channels * height * width, k * channels * 49, k * 49 * 4 * 4 * 2, k * 49 * 4 * 4, 4 * k):
-        poison = torch.full((numel,), float("nan"), device="cuda")
-        del poison
+    # all held at once, so that each is a block of its own when freed
+    sizes = (batch * channels * height * width, k * channels * 49, k * channels * 49, k * 49 * 4 * 4 * 2,
+             k * 49 * 4 * 4, 4 * k)
+    poison = [torch.full((numel,), float("nan"), device="cuda") for numel in sizes]
+    del poison
     with deterministic_algorithms(True):
         out = roi_align(x, rois, 7, 0.25, sampling_ratio, True)
         gi = torch.ops.detops._roi_align_backward(grad, *args)

@@ -238,6 +238,51 @@ constexpr int kGroupWarps = kGroupThreads / 32;
 constexpr int64_t kGroupSharedBytes = 46 * 1024;  // under the 48 KiB a block gets without opt-in
 constexpr int kRowShift = 6;  // list entries (k << kRowShift) | r
 
+// Bin row i as the grouping kernels list it: i, or (k << kRowShift) | r for i = k * row_div + r
+// where row_div > 0.
+template <typename index_t>
+__device__ __forceinline__ index_t listed_row(index_t i, index_t row_div) {
+  return row_div > 0 ? ((i / row_div) << kRowShift) | (i % row_div) : i;
+}
+
+// An exclusive scan of load(0 .. m) by the whole block (kGroupThreads threads): store(i, the sum
+// of load(0 .. i - 1)) for each i < m, a pass of blockDim values at a time (shuffles within a
+// warp, then across the warps' sums). Each thread loads and stores only its own i of a pass.
+template <typename index_t, typename Load, typename Store>
+__device__ __forceinline__ void block_exclusive_scan(int64_t m, Load load, Store store) {
+  __shared__ index_t warp_sums[kGroupWarps];
+  __shared__ index_t carry;
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < m; base += blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    const index_t v = i < m ? load(i) : index_t(0);
+    index_t incl = v;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const index_t u = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += u;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+      index_t w = warp_sums[lane];
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const index_t u = __shfl_up_sync(0xffffffffu, w, d);
+        if (lane >= d) w += u;
+      }
+      warp_sums[lane] = w;
+    }
+    __syncthreads();
+    if (i < m) store(i, carry + (warp > 0 ? warp_sums[warp - 1] : index_t(0)) + incl - v);
+    __syncthreads();
+    if (threadIdx.x == 0) carry += warp_sums[kGroupWarps - 1];
+    __syncthreads();
+  }
+}
+
 // Groups bin rows by owner in one block, in no particular order (a counting sort by shared
 // atomics; the order within an owner depends on timing): owner `key`'s rows are
 // rows[offsets[key] .. offsets[key + 1]), each listed as in group_by_owner_kernel. counts:
@@ -250,40 +295,22 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_unordered_kernel
     const index_t* __restrict__ keys, index_t total, index_t num_keys, index_t* __restrict__ counts,
     index_t* __restrict__ offsets, index_t* __restrict__ rows, index_t row_div = 0) {
   let_dependents_start();  // a band kernel launched early stages its first band meanwhile
-  __shared__ index_t carry;
-  __shared__ index_t part[kGroupThreads];
   __shared__ index_t local[kGroupSharedKeys];
   index_t* cnt = num_keys < kGroupSharedKeys ? local : counts;
   for (index_t i = threadIdx.x; i <= num_keys; i += blockDim.x) cnt[i] = 0;
   __syncthreads();
   for (index_t i = threadIdx.x; i < total; i += blockDim.x) atomicAdd(&cnt[keys[i]], index_t(1));
   __syncthreads();
-  // exclusive scan of the counts into offsets, a block-wide pass per blockDim keys
-  if (threadIdx.x == 0) carry = 0;
-  __syncthreads();
-  for (index_t base = 0; base <= num_keys; base += blockDim.x) {
-    const index_t i = base + threadIdx.x;
-    const index_t v = i < num_keys ? cnt[i] : 0;
-    part[threadIdx.x] = v;
-    __syncthreads();
-    for (int off = 1; off < static_cast<int>(blockDim.x); off *= 2) {
-      const index_t add = threadIdx.x >= static_cast<unsigned>(off) ? part[threadIdx.x - off] : 0;
-      __syncthreads();
-      part[threadIdx.x] += add;
-      __syncthreads();
-    }
-    if (i <= num_keys) {
-      const index_t o = carry + part[threadIdx.x] - v;
-      offsets[i] = o;
-      if (i < num_keys) cnt[i] = o;  // the next free slot of owner i
-    }
-    __syncthreads();
-    if (threadIdx.x == blockDim.x - 1) carry += part[threadIdx.x];
-    __syncthreads();
-  }
+  // offsets: the exclusive scan of the counts (offsets[num_keys] = total); each count becomes
+  // the next free slot of its owner
+  block_exclusive_scan<index_t>(
+      static_cast<int64_t>(num_keys) + 1, [&](int64_t i) { return i < num_keys ? cnt[i] : index_t(0); },
+      [&](int64_t i, index_t o) {
+        offsets[i] = o;
+        if (i < num_keys) cnt[i] = o;
+      });
   for (index_t i = threadIdx.x; i < total; i += blockDim.x) {
-    const index_t listed = row_div > 0 ? ((i / row_div) << kRowShift) | (i % row_div) : i;
-    rows[atomicAdd(&cnt[keys[i]], index_t(1))] = listed;
+    rows[atomicAdd(&cnt[keys[i]], index_t(1))] = listed_row(i, row_div);
   }
 }
 
@@ -308,8 +335,6 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
     bool in_shared) {
   let_dependents_start();  // a band kernel launched early stages its first band meanwhile
   extern __shared__ __align__(16) unsigned char group_smem[];
-  __shared__ index_t warp_sums[kGroupWarps];
-  __shared__ index_t carry;
   index_t* const hist = in_shared ? reinterpret_cast<index_t*>(group_smem) : counts;  // [key][range]
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   const unsigned before_lane = (1u << lane) - 1;
@@ -359,35 +384,8 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
     if (key >= 0 && (peers & before_lane) == 0) hist[static_cast<int64_t>(key) * ranges + warp] += __popc(peers);
   });
   __syncthreads();
-  // 2. exclusive scan in (key, range) order, a block-wide pass per blockDim entries
-  if (threadIdx.x == 0) carry = 0;
-  __syncthreads();
-  for (int64_t base = 0; base < m; base += blockDim.x) {
-    const int64_t i = base + threadIdx.x;
-    const index_t v = i < m ? hist[i] : 0;
-    index_t incl = v;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const index_t u = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += u;
-    }
-    if (lane == 31) warp_sums[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-      index_t w = warp_sums[lane];
-#pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
-        const index_t u = __shfl_up_sync(0xffffffffu, w, d);
-        if (lane >= d) w += u;
-      }
-      warp_sums[lane] = w;
-    }
-    __syncthreads();
-    if (i < m) hist[i] = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + incl - v;
-    __syncthreads();
-    if (threadIdx.x == 0) carry += warp_sums[kGroupWarps - 1];
-    __syncthreads();
-  }
+  // 2. exclusive scan in (key, range) order
+  block_exclusive_scan<index_t>(m, [&](int64_t i) { return hist[i]; }, [&](int64_t i, index_t o) { hist[i] = o; });
   for (index_t key = threadIdx.x; key <= num_keys; key += blockDim.x) {
     offsets[key] = key < num_keys ? hist[static_cast<int64_t>(key) * ranges] : total;
   }
@@ -397,7 +395,7 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
     if (key < 0) return;
     index_t* const slot = hist + static_cast<int64_t>(key) * ranges + warp;
     const index_t at = *slot + __popc(peers & before_lane);
-    rows[at] = row_div > 0 ? ((i / row_div) << kRowShift) | (i % row_div) : i;
+    rows[at] = listed_row(i, row_div);
     __syncwarp(peers);
     if ((peers & before_lane) == 0) *slot += __popc(peers);
   });

@@ -359,6 +359,23 @@ __device__ __forceinline__ void zero_discarded_bins(
   }
 }
 
+// A band forward block's list, once the grouping has written it (a block of a kernel launched
+// early waits for it here). The discard key's blocks write their bins' zeros here and come
+// back, as blocks without bin rows do, with n == 0: nothing more to do.
+template <typename scalar_t, typename acc_t, int G>
+__device__ __forceinline__ BandBlock listed_band_block(
+    const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, const BandShape& sh,
+    const BandPlan& plan, int32_t discard, const BandTap<acc_t>* __restrict__ taps,
+    scalar_t* __restrict__ output) {
+  plane_band::wait_for_prior_grid();  // the lists and taps
+  BandBlock blk = band_block(offsets, sh, plan);
+  if (blk.n > 0 && static_cast<int32_t>(blockIdx.x) == discard) {
+    zero_discarded_bins<scalar_t, acc_t, G>(blk, rows, sh, taps, output);
+    blk.n = 0;
+  }
+  return blk;
+}
+
 // Adds the samples of the bin with taps ty, tx to sum, NC channels at a time, the same
 // expression, term for term, as the tiled gather kernel. pixels: StagedRows or PlaneRows (the
 // same values, from shared or global memory).
@@ -415,13 +432,8 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_kernel(
   };
   const bool early = stages_early(early_blocks, discard);
   if (early) plane_band::stage_rows<scalar_t, NC>(planes_at(0).plane, sh.width, plan, window, band);
-  plane_band::wait_for_prior_grid();  // the lists and taps
-  const BandBlock blk = band_block(offsets, sh, plan);
+  const BandBlock blk = listed_band_block<scalar_t, acc_t, G>(offsets, rows, sh, plan, discard, taps, output);
   if (blk.n == 0) return;
-  if (blockIdx.x == discard) {
-    zero_discarded_bins<scalar_t, acc_t, G>(blk, rows, sh, taps, output);
-    return;
-  }
   const int64_t c0 = blk.c0;
   const int n = blk.n, nc = blk.nc;
   const int pw_n = sh.pooled_width;
@@ -541,13 +553,8 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
   };
   const bool early = stages_early(early_blocks, discard);
   if (early) stage(0);
-  plane_band::wait_for_prior_grid();  // the lists and taps
-  const BandBlock blk = band_block(offsets, sh, plan);
+  const BandBlock blk = listed_band_block<float, float, G>(offsets, rows, sh, plan, discard, taps, output);
   if (blk.n == 0) return;
-  if (blockIdx.x == discard) {
-    zero_discarded_bins<float, float, G>(blk, rows, sh, taps, output);
-    return;
-  }
   const int n = blk.n;
   const int pw_n = sh.pooled_width;
   const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
@@ -1094,9 +1101,7 @@ bool roi_align_forward_band(
           // bands into L2".
           const double reads = reads_per_pixel(
               batch, height, width, rois.size(0), pooled_height, pooled_width, sampling_ratio);
-          const int ahead = reads <= 16.0
-              ? 3 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount / 4
-              : 0;
+          const int ahead = reads <= 16.0 ? 3 * props->multiProcessorCount / 4 : 0;
           launch(roi_align_band_forward_rotated_kernel<G>, kWideBandThreads, ahead);
           return;
         }
