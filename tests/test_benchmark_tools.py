@@ -1,0 +1,41 @@
+"""The benchmark tools that patch or compile sources outside the library still match them."""
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def hunks(patch_text):
+    """(target path, [(old-side lines of one hunk)]) for each file of a unified diff."""
+    files = []
+    for block in re.split(r"^diff --git ", patch_text, flags=re.M)[1:]:
+        target = re.search(r"^--- a/(\S+)$", block, flags=re.M).group(1)
+        olds = []
+        for hunk in re.split(r"^@@ [^\n]*@@[^\n]*\n", block, flags=re.M)[1:]:
+            lines = hunk.split("\n")
+            olds.append([line[1:] for line in lines if line[:1] in (" ", "-")])
+        files.append((target, olds))
+    return files
+
+
+def test_band_trace_patch_applies_to_the_band_forward():
+    """benchmarks/band_trace.patch instruments roi_align_band.cu: every hunk's context and
+    removed lines must still be in the file, in order, or `git apply` fails on it."""
+    files = hunks((ROOT / "benchmarks" / "band_trace.patch").read_text())
+    assert [target for target, _ in files] == ["csrc/cuda/roi_align_band.cu"]
+    for target, olds in files:
+        source = (ROOT / target).read_text()
+        assert len(olds) >= 4
+        for old in olds:
+            assert "\n".join(old) in source, f"band_trace.patch no longer applies to {target}:\n" + "\n".join(old)
+
+
+def test_band_staging_matches_the_band_plan():
+    """benchmarks/band_staging.cu copies bands shaped as the float32 band forward stages them
+    on the benchmark maps (32-byte pixels, rows of 2 mod 4 pixels)."""
+    source = (ROOT / "benchmarks" / "band_staging.cu").read_text()
+    shape = re.search(r"constexpr int B = 2, C = 256, H = 200, W = 304, ROWS = (\d+), CORE = (\d+), BANDS = (\d+), STRIDE = (\d+)", source)
+    rows, core, bands, stride = (int(v) for v in shape.groups())
+    assert stride >= 304 and stride % 4 == 2
+    assert rows * stride * 32 <= 227 * 1024  # one block's shared memory on sm_90
+    assert bands == -(-200 // core) and rows > core
