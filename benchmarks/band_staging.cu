@@ -39,6 +39,70 @@ __device__ __forceinline__ unsigned long long gt() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+// The kernel's staging of pixels x0, x0 + 16, ... of each row: a warp per row, a lane per half
+// pixel (four 4-byte loads from four planes, one 16-byte store), U iterations unrolled.
+template <int U>
+__device__ __forceinline__ void stage_rows_by_warp(const float* base, long long plane, int nrows, int x0,
+                                                   unsigned char* smem) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, half = lane & 1;
+  for (int r = warp; r < nrows; r += 32) {
+    F4* dst = reinterpret_cast<F4*>(smem) + (long long)r * STRIDE * 2 + half;
+    const float* src = base + (long long)r * W + half * 4 * plane;
+#pragma unroll U
+    for (int x = x0 + (lane >> 1); x < W; x += 16) {
+      F4 v;
+      for (int j = 0; j < 4; ++j) v.v[j] = src[j * plane + x];
+      dst[2 * x] = v;
+    }
+  }
+}
+
+// Items i = threadIdx.x, threadIdx.x + 1024, ... below `items`, U at a time: the U loads are
+// issued before the U stores.
+template <int U, typename Load, typename Store>
+__device__ __forceinline__ void in_flight(int items, Load load, Store store) {
+  for (int i0 = threadIdx.x; i0 < items; i0 += U * 1024) {
+    F4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i0 + u * 1024 < items) v[u] = load(i0 + u * 1024);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i0 + u * 1024 < items) store(i0 + u * 1024, v[u]);
+  }
+}
+
+// Warp items it = warp, warp + 32, ... below `total`, U (at most 4) at a time: the U loads are
+// issued before the U stores.
+template <typename Load, typename Store>
+__device__ __forceinline__ void warps_in_flight(int total, int U, Load load, Store store) {
+  for (int it0 = threadIdx.x >> 5; it0 < total; it0 += 32 * U) {
+    F4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (u < U && it0 + 32 * u < total) v[u] = load(it0 + 32 * u);
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (u < U && it0 + 32 * u < total) store(it0 + 32 * u, v[u]);
+  }
+}
+
+// One stage of a 4x4 transpose across a quad of lanes: the elements whose index bit m differs
+// from the lane's (b) are exchanged with lane ^ m. Stages m = 1 and m = 2 leave lane r holding
+// element r of each lane's four.
+__device__ __forceinline__ void quad_butterfly(float (&a)[4], int m, bool b) {
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    const int lo = m == 1 ? 2 * p : p, hi = lo + m;
+    const float y = __shfl_xor_sync(0xffffffffu, b ? a[lo] : a[hi], m);
+    if (b) {
+      a[lo] = y;
+    } else {
+      a[hi] = y;
+    }
+  }
+}
+
 __global__ void __launch_bounds__(1024) stage_kernel(const float* __restrict__ in, int mode, int spin,
                                                      int ahead, long long* rec, float* sink, float* dump) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -50,47 +114,24 @@ __global__ void __launch_bounds__(1024) stage_kernel(const float* __restrict__ i
   const float* base = in + ((long long)b * C + grp * 8) * plane + (long long)r0 * W;
   long long t0 = clock64();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (mode == 0 || mode == 4) {  // warp per row, lane per half pixel (4 LDG.32, 1 STS.128), unroll 2 or 4
-    const int half = lane & 1;
-    for (int r = warp; r < nrows; r += 32) {
-      F4* dst = reinterpret_cast<F4*>(smem) + (long long)r * STRIDE * 2 + half;
-      const float* src = base + (long long)r * W + half * 4 * plane;
-      if (mode == 0) {
-#pragma unroll 2
-        for (int x = lane >> 1; x < W; x += 16) {
-          F4 v;
-          for (int j = 0; j < 4; ++j) v.v[j] = src[j * plane + x];
-          dst[2 * x] = v;
-        }
-      } else {
-#pragma unroll 4
-        for (int x = lane >> 1; x < W; x += 16) {
-          F4 v;
-          for (int j = 0; j < 4; ++j) v.v[j] = src[j * plane + x];
-          dst[2 * x] = v;
-        }
-      }
-    }
+  if (mode == 0) {  // the kernel's staging
+    stage_rows_by_warp<2>(base, plane, nrows, 0, smem);
+  } else if (mode == 4) {  // the same, four iterations in flight
+    stage_rows_by_warp<4>(base, plane, nrows, 0, smem);
   } else if (mode == 1) {  // items (row, x, half) over all threads, 3 in flight
-    const int items = nrows * W * 2;
-    for (int i0 = threadIdx.x; i0 < items; i0 += 3 * 1024) {
-      F4 v[3];
-      int dsti[3];
-#pragma unroll
-      for (int u = 0; u < 3; ++u) {
-        int i = i0 + u * 1024;
-        dsti[u] = -1;
-        if (i < items) {
-          int half = i & 1, p = i >> 1, r = p / W, x = p - r * W;
+    in_flight<3>(
+        nrows * W * 2,
+        [&](int i) {
+          const int half = i & 1, p = i >> 1, r = p / W, x = p - r * W;
           const float* src = base + (long long)r * W + x + half * 4 * plane;
-          for (int j = 0; j < 4; ++j) v[u].v[j] = src[j * plane];
-          dsti[u] = (r * STRIDE + x) * 2 + half;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 3; ++u)
-        if (dsti[u] >= 0) reinterpret_cast<F4*>(smem)[dsti[u]] = v[u];
-    }
+          F4 v;
+          for (int j = 0; j < 4; ++j) v.v[j] = src[j * plane];
+          return v;
+        },
+        [&](int i, const F4& v) {
+          const int half = i & 1, p = i >> 1, r = p / W, x = p - r * W;
+          reinterpret_cast<F4*>(smem)[(r * STRIDE + x) * 2 + half] = v;
+        });
   } else if (mode == 2) {  // TMA bulk copies, planar: row r slot holds 8 channel rows
     uint32_t mb = (uint32_t)__cvta_generic_to_shared(&mbar);
     if (threadIdx.x == 0) {
@@ -141,118 +182,86 @@ __global__ void __launch_bounds__(1024) stage_kernel(const float* __restrict__ i
       }
     }
     if (mode == 5) asm volatile("cp.async.wait_all;" ::: "memory");
-  } else if (mode >= 7 && mode <= 9) {  // LDG.128: lane (oct, c) loads channel c, 4 pixels; 7: planar store,
-                                        // 8/9: quad transpose -> interleaved
+  } else if (mode >= 7 && mode <= 9) {  // 16-byte loads: lane (oct, c) loads channel c, 4 pixels
+    // 7: planar stores; 8, 9: a 4x4 transpose within each quad of lanes, 16-byte stores of pixels
     const int oct = lane >> 3, c = lane & 7, h = c >> 2, rr = c & 3;
-    const int per_row = W / 16;  // warp iterations per row (16 pixels each)
-    const int total = nrows * per_row;
-    const int U = mode == 9 ? 2 : 4;
-    for (int it0 = warp; it0 < total; it0 += 32 * U) {
-      F4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int it = it0 + 32 * u;
-        if (u < U && it < total) {
-          const int r = it / per_row, x0 = (it - r * per_row) * 16 + 4 * oct;
-          v[u] = *reinterpret_cast<const F4*>(base + c * plane + (long long)r * W + x0);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int it = it0 + 32 * u;
-        if (u < U && it < total) {
-          const int r = it / per_row, x0 = (it - r * per_row) * 16 + 4 * oct;
+    const int per_row = W / 16;  // warp items per row (16 pixels each)
+    auto at = [&](int it, int& r, int& x0) {
+      r = it / per_row;
+      x0 = (it - r * per_row) * 16 + 4 * oct;
+    };
+    warps_in_flight(
+        nrows * per_row, mode == 9 ? 2 : 4,
+        [&](int it) {
+          int r, x0;
+          at(it, r, x0);
+          return *reinterpret_cast<const F4*>(base + c * plane + (long long)r * W + x0);
+        },
+        [&](int it, const F4& v) {
+          int r, x0;
+          at(it, r, x0);
           if (mode == 7) {
-            reinterpret_cast<F4*>(smem)[(r * STRIDE * 32 + c * W * 4 + x0 * 4) / 16] = v[u];
-          } else {
-            float a0 = v[u].v[0], a1 = v[u].v[1], a2 = v[u].v[2], a3 = v[u].v[3];
-            bool b = rr & 1;
-            float x0s = b ? a0 : a1, x1s = b ? a2 : a3;
-            float y0 = __shfl_xor_sync(0xffffffffu, x0s, 1), y1 = __shfl_xor_sync(0xffffffffu, x1s, 1);
-            if (b) {
-              a0 = y0;
-              a2 = y1;
-            } else {
-              a1 = y0;
-              a3 = y1;
-            }
-            b = rr & 2;
-            x0s = b ? a0 : a2;
-            x1s = b ? a1 : a3;
-            y0 = __shfl_xor_sync(0xffffffffu, x0s, 2);
-            y1 = __shfl_xor_sync(0xffffffffu, x1s, 2);
-            if (b) {
-              a0 = y0;
-              a1 = y1;
-            } else {
-              a2 = y0;
-              a3 = y1;
-            }
-            F4 o;
-            o.v[0] = a0;
-            o.v[1] = a1;
-            o.v[2] = a2;
-            o.v[3] = a3;
-            reinterpret_cast<F4*>(smem)[(r * STRIDE + x0 + rr) * 2 + h] = o;
+            reinterpret_cast<F4*>(smem)[(r * STRIDE * 32 + c * W * 4 + x0 * 4) / 16] = v;
+            return;
           }
-        }
-      }
-    }
-  } else if (mode == 10) {  // LDG.128 planar, cp.async16 indexing, 4 in flight
+          F4 o = v;
+          quad_butterfly(o.v, 1, rr & 1);
+          quad_butterfly(o.v, 2, rr & 2);
+          reinterpret_cast<F4*>(smem)[(r * STRIDE + x0 + rr) * 2 + h] = o;
+        });
+  } else if (mode == 10) {  // 16-byte loads, planar, consecutive lanes along a channel row, 4 in flight
     const int per_row = W / 4;
-    const int items = nrows * 8 * per_row;
-    for (int i0 = threadIdx.x; i0 < items; i0 += 4 * 1024) {
-      F4 v[4];
-      int d[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        int i = i0 + u * 1024;
-        d[u] = -1;
-        if (i < items) {
-          int q = i % per_row, rc = i / per_row, c = rc & 7, r = rc >> 3;
-          v[u] = *reinterpret_cast<const F4*>(base + c * plane + (long long)r * W + q * 4);
-          d[u] = (r * STRIDE * 32 + c * W * 4 + q * 16) / 16;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (d[u] >= 0) reinterpret_cast<F4*>(smem)[d[u]] = v[u];
-    }
-  } else if (mode == 11 ||
-             mode == 12) {  // LDG.128 of 8 lanes x 16 B per channel, register rotation, stmatrix rows
+    auto at = [&](int i, int& c, int& r, int& q) {
+      q = i % per_row;
+      const int rc = i / per_row;
+      c = rc & 7;
+      r = rc >> 3;
+    };
+    in_flight<4>(
+        nrows * 8 * per_row,
+        [&](int i) {
+          int c, r, q;
+          at(i, c, r, q);
+          return *reinterpret_cast<const F4*>(base + c * plane + (long long)r * W + q * 4);
+        },
+        [&](int i, const F4& v) {
+          int c, r, q;
+          at(i, c, r, q);
+          reinterpret_cast<F4*>(smem)[(r * STRIDE * 32 + c * W * 4 + q * 16) / 16] = v;
+        });
+  } else if (mode == 11 || mode == 12) {  // 16-byte loads, 8 lanes x 16 bytes per channel; register rotation,
+                                          // stmatrix rows
     const int rg = lane >> 2, q = lane & 3;  // lane group (4 consecutive pixels), channel in the half
-    const int per_row = W / 32;              // 32 pixels per warp instruction and half
-    const int rem = W - per_row * 32;        // (304: 9 x 32 + 16) tail handled by mode-0 style below
-    const int total = nrows * per_row * 2;   // (row, chunk, half)
-    const int U = mode == 11 ? 4 : 2;
+    const int per_row = W / 32;              // 32 pixels per warp item and half
+    const int rem = W - per_row * 32;        // (304: 9 x 32 + 16) the kernel's staging takes the rest
     const uint32_t sm0 = (uint32_t)__cvta_generic_to_shared(smem);
     const int j = lane >> 3, rr = lane & 7;  // this lane's stmatrix row address: matrix j, row rr
-    for (int it0 = warp; it0 < total; it0 += 32 * U) {
-      F4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int it = it0 + 32 * u;
-        if (u < U && it < total) {
-          const int h = it & 1, rc = it >> 1, r = rc / per_row, x0 = (rc - r * per_row) * 32;
-          v[u] = *reinterpret_cast<const F4*>(base + (4 * h + q) * plane + (long long)r * W + x0 + 4 * rg);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int it = it0 + 32 * u;
-        if (u < U && it < total) {
-          const int h = it & 1, rc = it >> 1, r = rc / per_row, x0 = (rc - r * per_row) * 32;
-          float a0 = v[u].v[0], a1 = v[u].v[1], a2 = v[u].v[2], a3 = v[u].v[3];
-          // rotate left by rg & 3: reg k = a[(k + rg) & 3]
-          if (rg & 1) {
-            float t = a0;
+    auto at = [&](int it, int& h, int& r, int& x0) {
+      h = it & 1;
+      const int rc = it >> 1;
+      r = rc / per_row;
+      x0 = (rc - r * per_row) * 32;
+    };
+    warps_in_flight(
+        nrows * per_row * 2, mode == 11 ? 4 : 2,
+        [&](int it) {
+          int h, r, x0;
+          at(it, h, r, x0);
+          return *reinterpret_cast<const F4*>(base + (4 * h + q) * plane + (long long)r * W + x0 + 4 * rg);
+        },
+        [&](int it, const F4& v) {
+          int h, r, x0;
+          at(it, h, r, x0);
+          float a0 = v.v[0], a1 = v.v[1], a2 = v.v[2], a3 = v.v[3];
+          if (rg & 1) {  // rotate left by rg & 3: register k holds pixel (k + rg) & 3
+            const float t = a0;
             a0 = a1;
             a1 = a2;
             a2 = a3;
             a3 = t;
           }
           if (rg & 2) {
-            float t0 = a0, t1 = a1;
+            const float t0 = a0, t1 = a1;
             a0 = a2;
             a1 = a3;
             a2 = t0;
@@ -263,21 +272,8 @@ __global__ void __launch_bounds__(1024) stage_kernel(const float* __restrict__ i
                        "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)),
                        "r"(__float_as_uint(a3))
                        : "memory");
-        }
-      }
-    }
-    if (rem > 0) {  // the last rem pixels of each row: a warp per row, lane per half pixel
-      const int half = lane & 1;
-      for (int r = warp; r < nrows; r += 32) {
-        F4* dst = reinterpret_cast<F4*>(smem) + (long long)r * STRIDE * 2 + half;
-        const float* src = base + (long long)r * W + half * 4 * plane;
-        for (int x = per_row * 32 + (lane >> 1); x < W; x += 16) {
-          F4 v;
-          for (int jj = 0; jj < 4; ++jj) v.v[jj] = src[jj * plane + x];
-          dst[2 * x] = v;
-        }
-      }
-    }
+        });
+    if (rem > 0) stage_rows_by_warp<1>(base, plane, nrows, per_row * 32, smem);  // each row's last pixels
   } else if (mode == 3) {       // cp.async 16 B planar, all threads
     const int per_row = W / 4;  // 16-byte chunks per channel row
     const int items = nrows * 8 * per_row;
