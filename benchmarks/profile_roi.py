@@ -75,6 +75,25 @@ def host_cases():
     }
 
 
+def queued_times(fn, calls=20, rounds=15):
+    """Per call of fn, in microseconds: the host's time to issue it while the GPU is busy with a
+    long sleep kernel (so that the launches queue without waiting), and the GPU's time for the
+    calls so queued, run back to back once the sleep ends (no host gaps between them)."""
+    issue, gpu = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s: longer than issuing the calls
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        issue.append((time.perf_counter() - t0) / calls * 1e6)
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end) / calls * 1e3)
+    return statistics.median(issue), statistics.median(gpu)
+
+
 def host_overhead(calls=20, rounds=15):
     """Per call: the host's time to issue it while the GPU is busy with a long sleep kernel (so
     the launches queue without waiting), and the event time of one call timed alone, as the
@@ -83,14 +102,7 @@ def host_overhead(calls=20, rounds=15):
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
-        issue = []
-        for _ in range(rounds):
-            torch.cuda._sleep(200_000_000)  # about 0.1 s: longer than issuing the calls
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            issue.append((time.perf_counter() - t0) / calls * 1e6)
-            torch.cuda.synchronize()
+        issue, _ = queued_times(fn, calls, rounds)
         events = []
         for _ in range(30):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -99,7 +111,7 @@ def host_overhead(calls=20, rounds=15):
             end.record()
             end.synchronize()
             events.append(start.elapsed_time(end) * 1e3)
-        print(f"| {name} | host {statistics.median(issue):.1f} µs | event {statistics.median(events):.1f} µs |")
+        print(f"| {name} | host {issue:.1f} µs | event {statistics.median(events):.1f} µs |")
 
 
 def graph_times(dtypes=("fp32", "bf16"), sizes=(7, 14), calls=40, rounds=7):
@@ -142,7 +154,9 @@ def graph_times(dtypes=("fp32", "bf16"), sizes=(7, 14), calls=40, rounds=7):
 
 def deterministic_times(sizes=(7, 14), runs=50):
     """roi_align backward alone and forward+backward, with atomics and under
-    torch.use_deterministic_algorithms(True), and their ratio."""
+    torch.use_deterministic_algorithms(True): each timed alone (as the benchmarks time it) and
+    their ratio, then the host's issue time and the GPU time of calls queued behind a sleep
+    (queued_times), which tell how much of a call timed alone is the host's."""
     x = torch.randn(2, 256, 200, 304, device="cuda")
     rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
     for size in sizes:
@@ -150,11 +164,12 @@ def deterministic_times(sizes=(7, 14), runs=50):
         backward = lambda: torch.ops.detops._roi_align_backward(  # noqa: E731
             grad, rois, 0.25, size, size, 2, 256, 200, 304, 2, True)
         both = lambda: fwd_bwd(lambda a, r: detops.ops.roi_align(a, r, size, 0.25, 2, True), x, rois, grad)  # noqa: E731
-        times = {}
+        times, queued = {}, {}
         for det in (False, True):
             torch.use_deterministic_algorithms(det)
             try:
                 times[det] = (median_ms(backward, "cuda", runs=runs), median_ms(both, "cuda", runs=runs))
+                queued[det] = (queued_times(backward, rounds=7), queued_times(both, rounds=7))
             finally:
                 torch.use_deterministic_algorithms(False)
         (b0, f0), (b1, f1) = times[False], times[True]
@@ -163,6 +178,13 @@ def deterministic_times(sizes=(7, 14), runs=50):
             f"forward+backward {f0 * 1e3:.0f} µs, deterministic {f1 * 1e3:.0f} µs ({f1 / f0:.2f}x) |",
             flush=True,
         )
+        for i, name in enumerate(("backward", "forward+backward")):
+            (h0, g0), (h1, g1) = queued[False][i], queued[True][i]
+            print(
+                f"|   {name}, queued | host issue {h0:.0f} µs, deterministic {h1:.0f} µs | "
+                f"GPU {g0:.0f} µs, deterministic {g1:.0f} µs ({g1 / g0:.2f}x) |",
+                flush=True,
+            )
 
 
 def main():
