@@ -7,8 +7,9 @@
 //      sort: plane_band::group_by_owner);
 //   2. one thread per (RoI, bin) writes the bin's contributions: the key (image, pixel) and
 //      the entry (rank * bins + bin, weight);
-//   3. a stable sort by key groups each pixel's contributions, in list order (RoI index, then
-//      bin, then sample), and searchsorted finds each (image, pixel) segment.
+//   3. a stable radix sort of the entries by key (cub, over the key's bits only) groups each
+//      pixel's contributions, in list order (RoI index, then bin, then sample), and a binary
+//      search per (image, pixel) finds its segment.
 // Then the gradient is copied so that row (RoI in rank order, bin) holds its channels side by
 // side, and one block per (image, run of pixels, group of 32 channels) sums, with a warp per
 // pixel and a lane per channel, the pixel's entries in list order: each entry is one 128-byte
@@ -27,7 +28,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cub/device/device_radix_sort.cuh>
 #include <limits>
+#include <type_traits>
 
 #include "../common/checks.h"
 #include "../common/roi_align_geometry.h"
@@ -143,14 +146,23 @@ __global__ void det_contribution_kernel(
   }
 }
 
-// entries_out[i] = entries_in[perm[i]]
-template <typename acc_t>
-__global__ void det_permute_kernel(
-    int64_t total, const int64_t* __restrict__ perm, const DetEntry<acc_t>* __restrict__ in,
-    DetEntry<acc_t>* __restrict__ out) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    out[i] = in[perm[i]];
+// segment[j] = the first i with sorted[i] >= j (total where none), for j in [0, segments): the
+// start of key j's run in the sorted keys.
+template <typename key_t>
+__global__ void det_segment_kernel(
+    const key_t* __restrict__ sorted, int64_t total, int64_t segments, int64_t* __restrict__ segment) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < segments;
+       j += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+    int64_t lo = 0, hi = total;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (static_cast<int64_t>(sorted[mid]) < j) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    segment[j] = lo;
   }
 }
 
@@ -306,21 +318,34 @@ void det_backward(
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
-  // 3. Grouped by (image, chunk, pixel); equal keys keep their list order.
-  const auto sorted = keys.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
-  const at::Tensor& sorted_keys = std::get<0>(sorted);
-  const at::Tensor& perm = std::get<1>(sorted);
+  // 3. Grouped by (image, pixel); equal keys keep their list order. The entries move with
+  // their keys, and the sort looks only at the bits keys up to batch * plane (the sentinel)
+  // use. Keys are not negative, so as unsigned they sort the same.
+  using ukey_t = std::make_unsigned_t<key_t>;
+  at::Tensor sorted_keys = cuda::empty_written({total}, keys.options());
   at::Tensor sorted_entries = cuda::empty_written(entries.sizes(), entries.options());
+  const int64_t segments = batch * plane + 1;
   if (total > 0) {
-    det_permute_kernel<acc_t><<<cuda::grid_for(total, kRankThreads), kRankThreads, 0, stream>>>(
-        total, perm.const_data_ptr<int64_t>(),
-        reinterpret_cast<const DetEntry<acc_t>*>(entries.const_data_ptr()),
-        reinterpret_cast<DetEntry<acc_t>*>(sorted_entries.data_ptr()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    int end_bit = 1;
+    while (end_bit < static_cast<int>(8 * sizeof(key_t)) && (uint64_t{1} << end_bit) <= static_cast<uint64_t>(segments - 1)) {
+      ++end_bit;
+    }
+    const auto* keys_in = reinterpret_cast<const ukey_t*>(keys.const_data_ptr<key_t>());
+    auto* keys_out = reinterpret_cast<ukey_t*>(sorted_keys.data_ptr<key_t>());
+    const auto* entries_in = reinterpret_cast<const DetEntry<acc_t>*>(entries.const_data_ptr());
+    auto* entries_out = reinterpret_cast<DetEntry<acc_t>*>(sorted_entries.data_ptr());
+    size_t temp_bytes = 0;
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+        nullptr, temp_bytes, keys_in, keys_out, entries_in, entries_out, static_cast<int>(total), 0, end_bit, stream));
+    at::Tensor temp = cuda::empty_written({static_cast<int64_t>(temp_bytes)}, grad.options().dtype(at::kByte));
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+        temp.data_ptr(), temp_bytes, keys_in, keys_out, entries_in, entries_out, static_cast<int>(total), 0, end_bit,
+        stream));
   }
-  const at::Tensor segment = at::searchsorted(
-      sorted_keys, at::arange(batch * plane + 1, grad.options().dtype(key_dtype)),
-      /*out_int32=*/false, /*right=*/false);
+  at::Tensor segment = cuda::empty_written({segments}, long_opts);
+  det_segment_kernel<key_t><<<cuda::grid_for(segments, kRankThreads), kRankThreads, 0, stream>>>(
+      sorted_keys.const_data_ptr<key_t>(), total, segments, segment.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   // 4. The gather: grad rows of 32 channels, then a warp per pixel.
   const at::Tensor g = grad.contiguous();
