@@ -26,8 +26,9 @@
 //     hence the rounding, varies.
 //   * deterministic (torch.use_deterministic_algorithms(True)): every grad_output element gets
 //     the key (b * C + c) * H * W + argmax of the pixel it feeds (a sentinel past the end for
-//     empty bins); a stable sort by key groups the contributions of each pixel in RoI order,
-//     and one thread per group (its first element) sums the group and writes the pixel once.
+//     empty bins); a stable radix sort of the gradient values by key (over the key's bits
+//     only) groups the contributions of each pixel in RoI order, and one thread per group (its
+//     first element) sums the group's consecutive values and writes the pixel once.
 //     Bit-identical from run to run, with the same summation order as the CPU kernel.
 //
 // Index arithmetic is 32-bit when every flat index of the launch fits, 64-bit otherwise.
@@ -41,7 +42,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <cub/device/device_radix_sort.cuh>
 #include <limits>
+#include <type_traits>
 
 #include "../common/checks.h"
 #include "../common/roi_pool_geometry.h"
@@ -309,23 +313,26 @@ __global__ void __launch_bounds__(kThreads) roi_pool_backward_atomic_kernel(
   }
 }
 
+// keys[i]: the pixel grad_output element i feeds (sentinel for an empty bin); values[i]: the
+// element itself, so that the sort carries it along.
 template <typename scalar_t, typename key_t>
 __global__ void roi_pool_backward_keys_kernel(
     int64_t total, PooledIndex<int64_t> index, const int32_t* __restrict__ argmax,
     const scalar_t* __restrict__ rois, int64_t batch, int64_t plane_size, key_t sentinel,
-    key_t* __restrict__ keys) {
+    const scalar_t* __restrict__ grad, key_t* __restrict__ keys, scalar_t* __restrict__ values) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t t = roi_pool_target(i, index, argmax, rois, batch, plane_size);
     keys[i] = t >= 0 ? static_cast<key_t>(t) : sentinel;
+    values[i] = grad[index.offset(i)];
   }
 }
 
-// One thread per run of equal keys (at its first position) sums the run in sorted order.
+// One thread per run of equal keys (at its first position) sums the run's values in sorted
+// order.
 template <typename scalar_t, typename key_t>
 __global__ void roi_pool_backward_segments_kernel(
-    int64_t total, const key_t* __restrict__ keys, const int64_t* __restrict__ order,
-    const scalar_t* __restrict__ grad, PooledIndex<int64_t> index, key_t sentinel,
+    int64_t total, const key_t* __restrict__ keys, const scalar_t* __restrict__ values, key_t sentinel,
     scalar_t* __restrict__ grad_input) {
   using acc_t = at::opmath_type<scalar_t>;
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < total;
@@ -333,9 +340,7 @@ __global__ void roi_pool_backward_segments_kernel(
     const key_t key = keys[j];
     if (key == sentinel || (j > 0 && keys[j - 1] == key)) continue;
     acc_t sum = acc_t(0);
-    for (int64_t t = j; t < total && keys[t] == key; ++t) {
-      sum += static_cast<acc_t>(grad[index.offset(order[t])]);
-    }
+    for (int64_t t = j; t < total && keys[t] == key; ++t) sum += static_cast<acc_t>(values[t]);
     grad_input[key] = static_cast<scalar_t>(sum);
   }
 }
@@ -407,18 +412,39 @@ void backward_deterministic(
     cudaStream_t stream) {
   const auto key_dtype = c10::CppTypeToScalarType<key_t>::value;
   const key_t sentinel = static_cast<key_t>(grad_input.numel());
-  at::Tensor keys = at::empty({total}, grad.options().dtype(key_dtype));
+  // keys and values, then their sorted copies: every element written before it is read
+  at::Tensor keys = cuda::empty_written({2, total}, grad.options().dtype(key_dtype));
+  at::Tensor values = cuda::empty_written({2, total}, grad.options());
+  key_t* const keys_in = keys.data_ptr<key_t>();
+  key_t* const keys_out = keys_in + total;
+  scalar_t* const values_in = values.data_ptr<scalar_t>();
+  scalar_t* const values_out = values_in + total;
   const unsigned int blocks = cuda::grid_for(total, kThreads);
   roi_pool_backward_keys_kernel<scalar_t, key_t><<<blocks, kThreads, 0, stream>>>(
       total, index, argmax.const_data_ptr<int32_t>(), rois.const_data_ptr<scalar_t>(), batch,
-      plane_size, sentinel, keys.data_ptr<key_t>());
+      plane_size, sentinel, grad.const_data_ptr<scalar_t>(), keys_in, values_in);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const auto sorted = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  const at::Tensor sorted_keys = std::get<0>(sorted).contiguous();
-  const at::Tensor order = std::get<1>(sorted).contiguous();
+  // A stable radix sort over the bits keys up to the sentinel use. Keys are not negative, so
+  // as unsigned they sort the same; the values move as raw bits.
+  using ukey_t = std::make_unsigned_t<key_t>;
+  using bits_t = std::conditional_t<sizeof(scalar_t) == 2, uint16_t, std::conditional_t<sizeof(scalar_t) == 4, uint32_t, uint64_t>>;
+  static_assert(sizeof(bits_t) == sizeof(scalar_t), "values move as raw bits");
+  int end_bit = 1;
+  while (end_bit < static_cast<int>(8 * sizeof(key_t)) && (uint64_t{1} << end_bit) <= static_cast<uint64_t>(sentinel)) {
+    ++end_bit;
+  }
+  auto sort = [&](void* temp, size_t& temp_bytes) {
+    return cub::DeviceRadixSort::SortPairs(
+        temp, temp_bytes, reinterpret_cast<const ukey_t*>(keys_in), reinterpret_cast<ukey_t*>(keys_out),
+        reinterpret_cast<const bits_t*>(values_in), reinterpret_cast<bits_t*>(values_out), total, 0, end_bit,
+        stream);
+  };
+  size_t temp_bytes = 0;
+  C10_CUDA_CHECK(sort(nullptr, temp_bytes));
+  at::Tensor temp = cuda::empty_written({static_cast<int64_t>(temp_bytes)}, grad.options().dtype(at::kByte));
+  C10_CUDA_CHECK(sort(temp.data_ptr(), temp_bytes));
   roi_pool_backward_segments_kernel<scalar_t, key_t><<<blocks, kThreads, 0, stream>>>(
-      total, sorted_keys.const_data_ptr<key_t>(), order.const_data_ptr<int64_t>(),
-      grad.const_data_ptr<scalar_t>(), index, sentinel, grad_input.data_ptr<scalar_t>());
+      total, keys_out, values_out, sentinel, grad_input.data_ptr<scalar_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
