@@ -327,7 +327,8 @@ void det_backward(
   const int64_t segments = batch * plane + 1;
   if (total > 0) {
     int end_bit = 1;
-    while (end_bit < static_cast<int>(8 * sizeof(key_t)) && (uint64_t{1} << end_bit) <= static_cast<uint64_t>(segments - 1)) {
+    while (end_bit < static_cast<int>(8 * sizeof(key_t)) &&
+           (uint64_t{1} << end_bit) <= static_cast<uint64_t>(segments - 1)) {
       ++end_bit;
     }
     const auto* keys_in = reinterpret_cast<const ukey_t*>(keys.const_data_ptr<key_t>());

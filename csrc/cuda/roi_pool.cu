@@ -427,10 +427,12 @@ void backward_deterministic(
   // A stable radix sort over the bits keys up to the sentinel use. Keys are not negative, so
   // as unsigned they sort the same; the values move as raw bits.
   using ukey_t = std::make_unsigned_t<key_t>;
-  using bits_t = std::conditional_t<sizeof(scalar_t) == 2, uint16_t, std::conditional_t<sizeof(scalar_t) == 4, uint32_t, uint64_t>>;
+  using bits_t = std::conditional_t<
+      sizeof(scalar_t) == 2, uint16_t, std::conditional_t<sizeof(scalar_t) == 4, uint32_t, uint64_t>>;
   static_assert(sizeof(bits_t) == sizeof(scalar_t), "values move as raw bits");
   int end_bit = 1;
-  while (end_bit < static_cast<int>(8 * sizeof(key_t)) && (uint64_t{1} << end_bit) <= static_cast<uint64_t>(sentinel)) {
+  while (end_bit < static_cast<int>(8 * sizeof(key_t)) &&
+         (uint64_t{1} << end_bit) <= static_cast<uint64_t>(sentinel)) {
     ++end_bit;
   }
   auto sort = [&](void* temp, size_t& temp_bytes) {
