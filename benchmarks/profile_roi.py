@@ -103,15 +103,8 @@ def host_overhead(calls=20, rounds=15):
             fn()
         torch.cuda.synchronize()
         issue, _ = queued_times(fn, calls, rounds)
-        events = []
-        for _ in range(30):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            events.append(start.elapsed_time(end) * 1e3)
-        print(f"| {name} | host {issue:.1f} µs | event {statistics.median(events):.1f} µs |")
+        event = median_ms(fn, "cuda", warmup=0, runs=30) * 1e3
+        print(f"| {name} | host {issue:.1f} µs | event {event:.1f} µs |")
 
 
 def graph_times(dtypes=("fp32", "bf16"), sizes=(7, 14), calls=40, rounds=7):
