@@ -4,8 +4,9 @@
 // over the lanes of a warp (the kernels of roi_pool.cu) makes every lane walk a different bin
 // shape, and the per-lane bookkeeping costs several times the loads. Here the 32 lanes of a
 // warp hold 32 channels (64 for 16-bit types, two per lane) of the same bin, so every lane
-// runs the same loop: one shared-memory load serves 32 channels, conflict-free, and the scan
-// is the sequential one, so values and argmax are those of the CPU kernel.
+// runs the same loop: one shared-memory load serves 32 channels, conflict-free. A bin is
+// scanned in two passes (scan_staged: row maxima without indices, then the row holding the
+// maximum by the sequential rule), whose values and argmax are those of the CPU kernel.
 //
 // The feature map is cut into tiles of core x core pixels:
 //   1. roi_pool_tile_keys_kernel keys each bin (k, ph, pw) by the tile holding its first pixel,
@@ -21,7 +22,17 @@
 //      sm_80 and newer, in flight while the block copies the geometry of its bins into shared
 //      memory), then scans its bins, a warp taking the next untaken bin whenever it finishes
 //      one. A bin reaching past the staged window is read from global memory instead (same
-//      scan, same result). The block of the extra key writes the empty bins (0, argmax -1).
+//      scan, same result). The block of the extra key writes the empty bins (0, argmax -1);
+//   4. bins_to_channels_kernel moves the outputs into place. A warp's results are one bin's 32
+//      channels, which lie bins elements apart in [K, C, PH, PW]: written there, each warp
+//      store touches 32 sectors for 128 bytes, and at 14 x 14 those partial sectors kept L2
+//      70-75% busy and the forward slower than torchvision's. So the forward writes
+//      [K, bins, C] buffers (a whole 128-byte line per warp store) and this kernel transposes
+//      them, a RoI's slab of bins x 64 (or fewer) channels at a time through shared memory,
+//      both sides coalesced. It costs a read and a write of the outputs, and memory for a
+//      second copy during the call (BENCHMARKS.md, "roi_pool tile forward: a bin's maximum in
+//      two passes, outputs through a transpose"). Bins too many for its blocks (past about 400
+//      in float32) are written in place.
 // The input is read through its strides: contiguous NCHW is staged a pixel at a time along
 // rows, channels_last a pixel's channels at a time, both as whole 32-byte sectors.
 #include <ATen/ATen.h>
@@ -31,6 +42,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "../common/roi_pool_geometry.h"
 #include "../detops.h"
@@ -48,6 +64,17 @@ constexpr int kTileWarps = kTileThreads / 32;
 constexpr int kPixelWords = 33;  // words per staged pixel: one per lane, plus one of padding
 constexpr int kTileList = 512;   // bins whose geometry a block holds at once
 constexpr int64_t kTileBudget = 200 * 1024;  // bytes of a staged window: one block per SM
+constexpr int64_t kTransposeSmem = 28 * 1024;  // shared memory of a bins_to_channels block:
+constexpr int kTransposeThreads = 256;          // eight blocks of 256 threads per SM
+
+// The bits of `from` as a To of the same size.
+template <typename To, typename From>
+__device__ __forceinline__ To bits_as(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "bits_as keeps the size");
+  To to;
+  memcpy(&to, &from, sizeof(To));
+  return to;
+}
 
 // Channels per lane: two for 16-bit types (a 32-bit word per lane), one otherwise.
 template <typename scalar_t>
@@ -139,28 +166,122 @@ __device__ __forceinline__ void take_pixels(Px px, int32_t idx, acc_t (&best)[V]
   }
 }
 
-// The row-major scan of a bin from the staged window: `rows` rows of 8 * chunks + R pixels,
-// p the lane's word of the bin's first pixel. The pixels of a row are taken 8 at a time and
-// then R at a time, unrolled, so that every load has a constant offset.
-template <int R, int V, typename acc_t, typename Word>
-__device__ __forceinline__ void scan_staged(
-    const Word* __restrict__ p, int row_words, int rows, int chunks, int32_t idx, int width,
-    acc_t (&best)[V], int32_t (&best_i)[V]) {
-  for (int h = 0; h < rows; ++h, p += row_words, idx += width) {
-    const Word* q = p;
-    int32_t i = idx;
-#pragma unroll 1
-    for (int c = 0; c < chunks; ++c, q += 8 * kPixelWords, i += 8) {
-      take_pixels<8, V, acc_t>([q](int j) { return q[j * kPixelWords]; }, i, best, best_i);
+// The elementwise maximum of two staged words, NaN ignored (the other operand is returned,
+// as by fmax; of two zeros either may be). It decides no index, only whether a row holds a
+// value above the lanes' running maxima, for which NaN and the sign of zero do not matter.
+// 16-bit words take both channels in one packed instruction, without conversion.
+template <typename scalar_t, int V>
+__device__ __forceinline__ plane_band::Lanes<scalar_t, V> word_max(
+    plane_band::Lanes<scalar_t, V> a, plane_band::Lanes<scalar_t, V> b) {
+  using Word = plane_band::Lanes<scalar_t, V>;
+  if constexpr (V == 2 && std::is_same_v<scalar_t, at::Half>) {
+    return bits_as<Word>(__hmax2(bits_as<__half2>(a), bits_as<__half2>(b)));
+  } else if constexpr (V == 2 && std::is_same_v<scalar_t, at::BFloat16>) {
+    return bits_as<Word>(__hmax2(bits_as<__nv_bfloat162>(a), bits_as<__nv_bfloat162>(b)));
+  } else {
+    static_assert(V == 1, "two channels per lane are 16-bit");
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      a.v[0] = fmaxf(a.v[0], b.v[0]);
+    } else {
+      a.v[0] = fmax(a.v[0], b.v[0]);
     }
-    take_pixels<R, V, acc_t>([q](int j) { return q[j * kPixelWords]; }, i, best, best_i);
+    return a;
   }
 }
 
-template <int V, typename acc_t, typename Word>
+// The maximum of the lane's words of N >= 1 consecutive pixels (q[j * kPixelWords]), taken
+// pairwise, so that the N - 1 maxima do not wait on each other.
+template <int N, typename scalar_t, int V>
+__device__ __forceinline__ plane_band::Lanes<scalar_t, V> pixels_max(
+    const plane_band::Lanes<scalar_t, V>* __restrict__ q) {
+  if constexpr (N == 1) {
+    return q[0];
+  } else {
+    constexpr int H = N / 2;
+    return word_max<scalar_t, V>(pixels_max<H, scalar_t, V>(q), pixels_max<N - H, scalar_t, V>(q + H * kPixelWords));
+  }
+}
+
+// m, folded with the lane's words of N consecutive pixels.
+template <int N, typename scalar_t, int V>
+__device__ __forceinline__ plane_band::Lanes<scalar_t, V> fold_pixels(
+    const plane_band::Lanes<scalar_t, V>* __restrict__ q, plane_band::Lanes<scalar_t, V> m) {
+  if constexpr (N == 0) {
+    return m;
+  } else {
+    return word_max<scalar_t, V>(m, pixels_max<N, scalar_t, V>(q));
+  }
+}
+
+// Channel e of the lane's words of N consecutive pixels, in order, into its running maximum
+// and index (the sequential rule of take_pixels); i is the flat index of pixel 0.
+template <int N, int V, typename acc_t, typename Word>
+__device__ __forceinline__ void take_channel(
+    const Word* __restrict__ q, int32_t i, int e, acc_t& best, int32_t& best_i) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const Word w = q[j * kPixelWords];
+    const acc_t v = static_cast<acc_t>(e == 0 ? w.v[0] : w.v[V - 1]);
+    const bool gt = v > best;
+    best = gt ? v : best;
+    best_i = gt ? i + j : best_i;
+  }
+}
+
+// The bin's maximum and its first index in row-major order, from the staged window: `rows`
+// rows of 8 * chunks + R pixels, p the lane's word of the bin's first pixel, idx its flat
+// index. Two passes:
+//   1. each row folds the lanes' words into their running maxima (word_max: a load and one
+//      maximum per pixel, no index), and `top` keeps, per channel, the last row that raised
+//      it: the first row holding the bin's maximum;
+//   2. that row alone is scanned again by the sequential rule, from the lowest value.
+// The result is the sequential scan's: a row raises the running maximum exactly when one of
+// its values exceeds every value before it, so the sequential scan's last update lies in row
+// `top`, and there it is the first pixel holding the row's maximum, which the second pass
+// finds. Its value is read back from that pixel, so zeros keep their sign. No row raises
+// anything when every value is NaN or at most the lowest value: index -1, as the scan leaves.
+// The pixels of a row are taken 8 at a time and then R at a time, unrolled, so that every load
+// has a constant offset.
+template <int R, int V, typename acc_t, typename scalar_t>
+__device__ __forceinline__ void scan_staged(
+    const plane_band::Lanes<scalar_t, V>* __restrict__ p, int row_words, int rows, int chunks,
+    int32_t idx, int width, acc_t (&best)[V], int32_t (&best_i)[V]) {
+  using Word = plane_band::Lanes<scalar_t, V>;
+  Word run;
+  int32_t top[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    run.v[e] = static_cast<scalar_t>(best[e]);  // the lowest value (-inf for 16-bit types)
+    top[e] = -1;
+  }
+  const Word* row = p;
+  for (int h = 0; h < rows; ++h, row += row_words) {
+    const Word* q = row;
+    Word m = run;
+#pragma unroll 1
+    for (int c = 0; c < chunks; ++c, q += 8 * kPixelWords) m = fold_pixels<8, scalar_t, V>(q, m);
+    m = fold_pixels<R, scalar_t, V>(q, m);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      top[e] = static_cast<acc_t>(m.v[e]) > static_cast<acc_t>(run.v[e]) ? h : top[e];
+    }
+    run = m;
+  }
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    if (top[e] < 0) continue;
+    const Word* q = p + top[e] * row_words;
+    int32_t i = idx + top[e] * width;
+#pragma unroll 1
+    for (int c = 0; c < chunks; ++c, q += 8 * kPixelWords, i += 8) take_channel<8, V>(q, i, e, best[e], best_i[e]);
+    take_channel<R, V>(q, i, e, best[e], best_i[e]);
+  }
+}
+
+template <int V, typename acc_t, typename scalar_t>
 __device__ __forceinline__ void scan_staged_bin(
-    const Word* __restrict__ p, int row_words, int rows, int cols, int32_t idx, int width,
-    acc_t (&best)[V], int32_t (&best_i)[V]) {
+    const plane_band::Lanes<scalar_t, V>* __restrict__ p, int row_words, int rows, int cols, int32_t idx,
+    int width, acc_t (&best)[V], int32_t (&best_i)[V]) {
   const int chunks = cols / 8;
   switch (cols % 8) {
     case 0: scan_staged<0, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
@@ -237,12 +358,14 @@ __device__ __forceinline__ void stage_wait() {
 #endif
 }
 
+// Output element (k, c, r) (r = ph * PW + pw) goes to k * C * bins + c * o_sc + r * o_sr:
+// o_sc = bins, o_sr = 1 for [K, C, PH, PW]; o_sc = 1, o_sr = C for [K, bins, C].
 template <typename scalar_t>
 __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
     const scalar_t* __restrict__ input, const scalar_t* __restrict__ rois,
     at::opmath_type<scalar_t> scale, const int32_t* __restrict__ offsets,
     const int32_t* __restrict__ rows, const int32_t* __restrict__ reach, TileShape sh, TilePlan plan,
-    int64_t list_offset, scalar_t* __restrict__ output, int32_t* __restrict__ argmax) {
+    int64_t list_offset, scalar_t* __restrict__ output, int32_t* __restrict__ argmax, int64_t o_sc, int64_t o_sr) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int V = lane_channels<scalar_t>();
   using Word = plane_band::Lanes<scalar_t, V>;
@@ -265,7 +388,7 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
       const int64_t e = i / nc, ci = i - e * nc;
       const int64_t bin = rows[first + e];
       const int64_t k = bin / bins, r = bin - k * bins;
-      const int64_t o = (k * sh.channels + c0 + ci) * bins + r;
+      const int64_t o = k * sh.channels * bins + (c0 + ci) * o_sc + r * o_sr;
       output[o] = scalar_t(0);
       argmax[o] = -1;
     }
@@ -338,12 +461,65 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
       for (int v = 0; v < V; ++v) {
         const int ci = lane * V + v;
         if (ci < nc) {
-          const int64_t o = (static_cast<int64_t>(bin.k) * sh.channels + c0 + ci) * bins + bin.r;
+          const int64_t o = static_cast<int64_t>(bin.k) * sh.channels * bins + (c0 + ci) * o_sc + bin.r * o_sr;
           output[o] = static_cast<scalar_t>(best[v]);
           argmax[o] = best_i[v];
         }
       }
     }
+  }
+}
+
+// Shared memory of bins_to_channels_kernel: bins rows of cc + 1 values, then as many int32
+// indices, 16-byte aligned.
+__host__ __device__ inline int64_t transpose_values_bytes(int64_t bins, int64_t cc, int64_t value_bytes) {
+  return (bins * (cc + 1) * value_bytes + 15) / 16 * 16;
+}
+__host__ __device__ inline int64_t transpose_smem(int64_t bins, int64_t cc, int64_t value_bytes) {
+  return transpose_values_bytes(bins, cc, value_bytes) + bins * (cc + 1) * 4;
+}
+
+// Channels per bins_to_channels block: the most of 64, 32, 16, 8 whose slab fits kTransposeSmem
+// (64 for 7 x 7 bins, 16 for 14 x 14 in float32), or 0 when even 8 do not (more than about 400
+// bins in float32): the forward then writes its outputs in place.
+inline int transpose_channels(int64_t bins, int64_t value_bytes) {
+  for (int cc = 64; cc >= 8; cc /= 2) {
+    if (transpose_smem(bins, cc, value_bytes) <= kTransposeSmem) return cc;
+  }
+  return 0;
+}
+
+// out[k][c][r] = in[k][r][c], for the values and the argmax: [K, bins, C] -> [K, C, bins]. A
+// block per RoI and group of CC channels: it reads the group's bins x CC slab (bins rows of CC
+// adjacent channels) into shared memory and writes it out as the CC x bins run it fills, which
+// is contiguous in the output. CC + 1 words per staged row: both phases are conflict-free.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kTransposeThreads) bins_to_channels_kernel(
+    const scalar_t* __restrict__ in_v, const int32_t* __restrict__ in_a, int64_t num_rois, int bins,
+    int64_t channels, int cc, scalar_t* __restrict__ out_v, int32_t* __restrict__ out_a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  scalar_t* sv = reinterpret_cast<scalar_t*>(smem);
+  int32_t* sa = reinterpret_cast<int32_t*>(smem + transpose_values_bytes(bins, cc, sizeof(scalar_t)));
+  const int64_t groups = (channels + cc - 1) / cc;
+  for (int64_t t = blockIdx.x; t < num_rois * groups; t += gridDim.x) {
+    const int64_t k = t / groups;
+    const int64_t c0 = (t - k * groups) * cc;
+    const int nc = static_cast<int>(min(static_cast<int64_t>(cc), channels - c0));
+    const int n = bins * nc;
+    const int64_t src = k * bins * channels + c0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int r = i / nc, c = i - r * nc;
+      sv[r * (cc + 1) + c] = in_v[src + static_cast<int64_t>(r) * channels + c];
+      sa[r * (cc + 1) + c] = in_a[src + static_cast<int64_t>(r) * channels + c];
+    }
+    __syncthreads();
+    const int64_t dst = (k * channels + c0) * bins;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int c = i / bins, r = i - c * bins;
+      out_v[dst + i] = sv[r * (cc + 1) + c];
+      out_a[dst + i] = sa[r * (cc + 1) + c];
+    }
+    __syncthreads();
   }
 }
 
@@ -415,10 +591,30 @@ bool roi_pool_forward_tile(
     auto kernel = roi_pool_tile_forward_kernel<scalar_t>;
     plane_band::allow_smem(kernel, smem);
     const dim3 grid(static_cast<unsigned>(num_keys), static_cast<unsigned>(cuda::ceil_div(channels, int64_t{32 * V})));
+    // Outputs go through [K, bins, C] buffers and bins_to_channels_kernel (see the top of the
+    // file) when its blocks' slabs fit in shared memory; straight to [K, C, PH, PW] otherwise.
+    const int64_t bins = pooled_height * pooled_width;
+    const int cc = transpose_channels(bins, sizeof(scalar_t));
+    at::Tensor stage_v, stage_a;
+    if (cc > 0) {
+      stage_v = at::empty({output.numel()}, output.options());
+      stage_a = at::empty({argmax.numel()}, argmax.options());
+    }
     kernel<<<grid, kTileThreads, static_cast<size_t>(smem), stream>>>(
         input.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(), scale, offsets, rows, reach,
-        shape, plan, list_offset, output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>());
+        shape, plan, list_offset, cc > 0 ? stage_v.data_ptr<scalar_t>() : output.data_ptr<scalar_t>(),
+        cc > 0 ? stage_a.data_ptr<int32_t>() : argmax.data_ptr<int32_t>(), cc > 0 ? 1 : bins,
+        cc > 0 ? channels : 1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (cc > 0) {
+      const int64_t blocks = rois.size(0) * cuda::ceil_div(channels, int64_t{cc});
+      const auto tsmem = static_cast<size_t>(transpose_smem(bins, cc, sizeof(scalar_t)));
+      const auto tgrid = static_cast<unsigned>(std::min<int64_t>(blocks, int64_t{1} << 20));
+      bins_to_channels_kernel<scalar_t><<<tgrid, kTransposeThreads, tsmem, stream>>>(
+          stage_v.const_data_ptr<scalar_t>(), stage_a.const_data_ptr<int32_t>(), rois.size(0),
+          static_cast<int>(bins), channels, cc, output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   });
   return true;
 }
