@@ -152,35 +152,35 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                     finally:
                         torch.use_deterministic_algorithms(False)
             if dtype == torch.float32 or device == "cuda":
-                size = 7
-                ours_p = lambda a, r: detops.ops.roi_pool(a, r, size, 0.25)
-                theirs_p = lambda a, r: torchvision.ops.roi_pool(a, r, size, 0.25)
-                _check_close(ours_p(x, rois), theirs_p, x, rois, dtype)
-                tag = f"{shape[0]}x{shape[1]}x{shape[2]}x{shape[3]}, {k} RoIs, {size}x{size}, {DTYPE_NAMES[dtype]}"
-                grad = torch.randn(k, shape[1], size, size, device=device, dtype=dtype)
-                rows.append(compare(f"roi_pool fwd, {tag}", device, lambda: ours_p(x, rois), (lambda: theirs_p(x, rois)) if tv_ok else None, **runs))
-                rows.append(
-                    compare(
-                        f"roi_pool fwd+bwd, {tag}", device,
-                        lambda: fwd_bwd(ours_p, x, rois, grad),
-                        (lambda: fwd_bwd(theirs_p, x, rois, grad)) if tv_ok else None,
-                        **runs,
-                    )
-                )
-                if device == "cuda" and dtype == torch.float32:
-                    xcl = x.contiguous(memory_format=torch.channels_last)
-                    rows.append(compare(f"roi_pool fwd, channels_last input, {tag}", device, lambda: ours_p(xcl, rois), lambda: theirs_p(xcl, rois), **runs))
+                for size in sizes:
+                    ours_p = lambda a, r: detops.ops.roi_pool(a, r, size, 0.25)
+                    theirs_p = lambda a, r: torchvision.ops.roi_pool(a, r, size, 0.25)
+                    _check_close(ours_p(x, rois), theirs_p, x, rois, dtype)
+                    tag = f"{shape[0]}x{shape[1]}x{shape[2]}x{shape[3]}, {k} RoIs, {size}x{size}, {DTYPE_NAMES[dtype]}"
+                    grad = torch.randn(k, shape[1], size, size, device=device, dtype=dtype)
+                    rows.append(compare(f"roi_pool fwd, {tag}", device, lambda: ours_p(x, rois), (lambda: theirs_p(x, rois)) if tv_ok else None, **runs))
                     rows.append(
                         compare(
-                            f"roi_pool fwd+bwd, channels_last input, {tag}", device,
-                            lambda: fwd_bwd(ours_p, xcl, rois, grad), lambda: fwd_bwd(theirs_p, xcl, rois, grad), **runs,
+                            f"roi_pool fwd+bwd, {tag}", device,
+                            lambda: fwd_bwd(ours_p, x, rois, grad),
+                            (lambda: fwd_bwd(theirs_p, x, rois, grad)) if tv_ok else None,
+                            **runs,
                         )
                     )
-                    torch.use_deterministic_algorithms(True)
-                    try:
-                        rows.append(compare(f"roi_pool fwd+bwd deterministic, {tag}", device, lambda: fwd_bwd(ours_p, x, rois, grad), None, **runs))
-                    finally:
-                        torch.use_deterministic_algorithms(False)
+                    if device == "cuda" and dtype == torch.float32:
+                        xcl = x.contiguous(memory_format=torch.channels_last)
+                        rows.append(compare(f"roi_pool fwd, channels_last input, {tag}", device, lambda: ours_p(xcl, rois), lambda: theirs_p(xcl, rois), **runs))
+                        rows.append(
+                            compare(
+                                f"roi_pool fwd+bwd, channels_last input, {tag}", device,
+                                lambda: fwd_bwd(ours_p, xcl, rois, grad), lambda: fwd_bwd(theirs_p, xcl, rois, grad), **runs,
+                            )
+                        )
+                        torch.use_deterministic_algorithms(True)
+                        try:
+                            rows.append(compare(f"roi_pool fwd+bwd deterministic, {tag}", device, lambda: fwd_bwd(ours_p, x, rois, grad), None, **runs))
+                        finally:
+                            torch.use_deterministic_algorithms(False)
                 if device == "cpu":
                     rows += _cpu_threads(x, rois, grad, size, runs, threads)
     return rows
