@@ -28,7 +28,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cub/device/device_radix_sort.cuh>
 #include <limits>
 #include <type_traits>
 
@@ -36,6 +35,7 @@
 #include "../common/roi_align_geometry.h"
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
+#include "radix_sort.cuh"
 #include "roi_align_rois.cuh"
 
 namespace detops {
@@ -320,29 +320,15 @@ void det_backward(
 
   // 3. Grouped by (image, pixel); equal keys keep their list order. The entries move with
   // their keys, and the sort looks only at the bits keys up to batch * plane (the sentinel)
-  // use. Keys are not negative, so as unsigned they sort the same.
-  using ukey_t = std::make_unsigned_t<key_t>;
+  // use.
   at::Tensor sorted_keys = cuda::empty_written({total}, keys.options());
   at::Tensor sorted_entries = cuda::empty_written(entries.sizes(), entries.options());
   const int64_t segments = batch * plane + 1;
-  if (total > 0) {
-    int end_bit = 1;
-    while (end_bit < static_cast<int>(8 * sizeof(key_t)) &&
-           (uint64_t{1} << end_bit) <= static_cast<uint64_t>(segments - 1)) {
-      ++end_bit;
-    }
-    const auto* keys_in = reinterpret_cast<const ukey_t*>(keys.const_data_ptr<key_t>());
-    auto* keys_out = reinterpret_cast<ukey_t*>(sorted_keys.data_ptr<key_t>());
-    const auto* entries_in = reinterpret_cast<const DetEntry<acc_t>*>(entries.const_data_ptr());
-    auto* entries_out = reinterpret_cast<DetEntry<acc_t>*>(sorted_entries.data_ptr());
-    size_t temp_bytes = 0;
-    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-        nullptr, temp_bytes, keys_in, keys_out, entries_in, entries_out, static_cast<int>(total), 0, end_bit, stream));
-    at::Tensor temp = cuda::empty_written({static_cast<int64_t>(temp_bytes)}, grad.options().dtype(at::kByte));
-    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-        temp.data_ptr(), temp_bytes, keys_in, keys_out, entries_in, entries_out, static_cast<int>(total), 0, end_bit,
-        stream));
-  }
+  cuda::sort_pairs(
+      keys.const_data_ptr<key_t>(), sorted_keys.data_ptr<key_t>(),
+      reinterpret_cast<const DetEntry<acc_t>*>(entries.const_data_ptr()),
+      reinterpret_cast<DetEntry<acc_t>*>(sorted_entries.data_ptr()), total, static_cast<uint64_t>(segments - 1),
+      grad.device(), stream);
   at::Tensor segment = cuda::empty_written({segments}, long_opts);
   det_segment_kernel<key_t><<<cuda::grid_for(segments, kRankThreads), kRankThreads, 0, stream>>>(
       sorted_keys.const_data_ptr<key_t>(), total, segments, segment.data_ptr<int64_t>());

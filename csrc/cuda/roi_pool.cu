@@ -43,13 +43,13 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cub/device/device_radix_sort.cuh>
 #include <limits>
 #include <type_traits>
 
 #include "../common/checks.h"
 #include "../common/roi_pool_geometry.h"
 #include "cuda_helpers.h"
+#include "radix_sort.cuh"
 #include "roi_checks.cuh"
 
 namespace detops {
@@ -424,27 +424,14 @@ void backward_deterministic(
       total, index, argmax.const_data_ptr<int32_t>(), rois.const_data_ptr<scalar_t>(), batch,
       plane_size, sentinel, grad.const_data_ptr<scalar_t>(), keys_in, values_in);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // A stable radix sort over the bits keys up to the sentinel use. Keys are not negative, so
-  // as unsigned they sort the same; the values move as raw bits.
-  using ukey_t = std::make_unsigned_t<key_t>;
+  // A stable radix sort over the bits keys up to the sentinel use; the values move as raw
+  // bits.
   using bits_t = std::conditional_t<
       sizeof(scalar_t) == 2, uint16_t, std::conditional_t<sizeof(scalar_t) == 4, uint32_t, uint64_t>>;
   static_assert(sizeof(bits_t) == sizeof(scalar_t), "values move as raw bits");
-  int end_bit = 1;
-  while (end_bit < static_cast<int>(8 * sizeof(key_t)) &&
-         (uint64_t{1} << end_bit) <= static_cast<uint64_t>(sentinel)) {
-    ++end_bit;
-  }
-  auto sort = [&](void* temp, size_t& temp_bytes) {
-    return cub::DeviceRadixSort::SortPairs(
-        temp, temp_bytes, reinterpret_cast<const ukey_t*>(keys_in), reinterpret_cast<ukey_t*>(keys_out),
-        reinterpret_cast<const bits_t*>(values_in), reinterpret_cast<bits_t*>(values_out), total, 0, end_bit,
-        stream);
-  };
-  size_t temp_bytes = 0;
-  C10_CUDA_CHECK(sort(nullptr, temp_bytes));
-  at::Tensor temp = cuda::empty_written({static_cast<int64_t>(temp_bytes)}, grad.options().dtype(at::kByte));
-  C10_CUDA_CHECK(sort(temp.data_ptr(), temp_bytes));
+  cuda::sort_pairs(
+      keys_in, keys_out, reinterpret_cast<const bits_t*>(values_in), reinterpret_cast<bits_t*>(values_out), total,
+      static_cast<uint64_t>(sentinel), grad.device(), stream);
   roi_pool_backward_segments_kernel<scalar_t, key_t><<<blocks, kThreads, 0, stream>>>(
       total, keys_out, values_out, sentinel, grad_input.data_ptr<scalar_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
