@@ -40,6 +40,19 @@ def _check_close(ours, tv_fn, x, rois, dtype):
     torch.testing.assert_close(ours.float(), tv_fn(x.float(), rois.float()), rtol=tol, atol=tol)
 
 
+def _fwd_rows(op, tag, device, ours, theirs, x, rois, grad, runs, layout="") -> List[Row]:
+    """The forward and forward+backward rows of one op on (x, rois); theirs None: detops alone."""
+    return [
+        compare(f"{op} fwd{layout}, {tag}", device, lambda: ours(x, rois), (lambda: theirs(x, rois)) if theirs else None, **runs),
+        compare(
+            f"{op} fwd+bwd{layout}, {tag}", device,
+            lambda: fwd_bwd(ours, x, rois, grad),
+            (lambda: fwd_bwd(theirs, x, rois, grad)) if theirs else None,
+            **runs,
+        ),
+    ]
+
+
 def default_thread_counts() -> List[int]:
     """The thread counts whose scaling the CPU rows report: torch's thread count, and the
     number of physical cores where that is fewer."""
@@ -125,16 +138,8 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                 theirs = lambda a, r: torchvision.ops.roi_align(a, r, size, 0.25, 2, True)
                 _check_close(ours(x, rois), theirs, x, rois, dtype)
                 tag = f"{shape[0]}x{shape[1]}x{shape[2]}x{shape[3]}, {k} RoIs, {size}x{size}, {DTYPE_NAMES[dtype]}"
-                rows.append(compare(f"roi_align fwd, {tag}", device, lambda: ours(x, rois), (lambda: theirs(x, rois)) if tv_ok else None, **runs))
                 grad = torch.randn(k, shape[1], size, size, device=device, dtype=dtype)
-                rows.append(
-                    compare(
-                        f"roi_align fwd+bwd, {tag}", device,
-                        lambda: fwd_bwd(ours, x, rois, grad),
-                        (lambda: fwd_bwd(theirs, x, rois, grad)) if tv_ok else None,
-                        **runs,
-                    )
-                )
+                rows += _fwd_rows("roi_align", tag, device, ours, theirs if tv_ok else None, x, rois, grad, runs)
                 if device == "cuda" and dtype == torch.float32:
                     xcl = x.contiguous(memory_format=torch.channels_last)
                     rows.append(compare(f"roi_align fwd, channels_last input, {tag}", device, lambda: ours(xcl, rois), lambda: theirs(xcl, rois), **runs))
@@ -158,23 +163,11 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                     _check_close(ours_p(x, rois), theirs_p, x, rois, dtype)
                     tag = f"{shape[0]}x{shape[1]}x{shape[2]}x{shape[3]}, {k} RoIs, {size}x{size}, {DTYPE_NAMES[dtype]}"
                     grad = torch.randn(k, shape[1], size, size, device=device, dtype=dtype)
-                    rows.append(compare(f"roi_pool fwd, {tag}", device, lambda: ours_p(x, rois), (lambda: theirs_p(x, rois)) if tv_ok else None, **runs))
-                    rows.append(
-                        compare(
-                            f"roi_pool fwd+bwd, {tag}", device,
-                            lambda: fwd_bwd(ours_p, x, rois, grad),
-                            (lambda: fwd_bwd(theirs_p, x, rois, grad)) if tv_ok else None,
-                            **runs,
-                        )
-                    )
+                    rows += _fwd_rows("roi_pool", tag, device, ours_p, theirs_p if tv_ok else None, x, rois, grad, runs)
                     if device == "cuda" and dtype == torch.float32:
                         xcl = x.contiguous(memory_format=torch.channels_last)
-                        rows.append(compare(f"roi_pool fwd, channels_last input, {tag}", device, lambda: ours_p(xcl, rois), lambda: theirs_p(xcl, rois), **runs))
-                        rows.append(
-                            compare(
-                                f"roi_pool fwd+bwd, channels_last input, {tag}", device,
-                                lambda: fwd_bwd(ours_p, xcl, rois, grad), lambda: fwd_bwd(theirs_p, xcl, rois, grad), **runs,
-                            )
+                        rows += _fwd_rows(
+                            "roi_pool", tag, device, ours_p, theirs_p, xcl, rois, grad, runs, layout=", channels_last input"
                         )
                         torch.use_deterministic_algorithms(True)
                         try:
