@@ -40,6 +40,11 @@ def _check_close(ours, tv_fn, x, rois, dtype):
     torch.testing.assert_close(ours.float(), tv_fn(x.float(), rois.float()), rtol=tol, atol=tol)
 
 
+def _case_tag(shape, k, size, dtype) -> str:
+    """A row's case: the map's shape, the RoI count, the output size and the dtype."""
+    return f"{shape[0]}x{shape[1]}x{shape[2]}x{shape[3]}, {k} RoIs, {size}x{size}, {DTYPE_NAMES[dtype]}"
+
+
 def _fwd_rows(op, tag, device, ours, theirs, x, rois, grad, runs, layout="") -> List[Row]:
     """The forward and forward+backward rows of one op on (x, rois); theirs None: detops alone."""
     return [
@@ -137,7 +142,7 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                 ours = lambda a, r: detops.ops.roi_align(a, r, size, 0.25, 2, True)
                 theirs = lambda a, r: torchvision.ops.roi_align(a, r, size, 0.25, 2, True)
                 _check_close(ours(x, rois), theirs, x, rois, dtype)
-                tag = f"{shape[0]}x{shape[1]}x{shape[2]}x{shape[3]}, {k} RoIs, {size}x{size}, {DTYPE_NAMES[dtype]}"
+                tag = _case_tag(shape, k, size, dtype)
                 grad = torch.randn(k, shape[1], size, size, device=device, dtype=dtype)
                 rows += _fwd_rows("roi_align", tag, device, ours, theirs if tv_ok else None, x, rois, grad, runs)
                 if device == "cuda" and dtype == torch.float32:
@@ -161,7 +166,7 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                     ours_p = lambda a, r: detops.ops.roi_pool(a, r, size, 0.25)
                     theirs_p = lambda a, r: torchvision.ops.roi_pool(a, r, size, 0.25)
                     _check_close(ours_p(x, rois), theirs_p, x, rois, dtype)
-                    tag = f"{shape[0]}x{shape[1]}x{shape[2]}x{shape[3]}, {k} RoIs, {size}x{size}, {DTYPE_NAMES[dtype]}"
+                    tag = _case_tag(shape, k, size, dtype)
                     grad = torch.randn(k, shape[1], size, size, device=device, dtype=dtype)
                     rows += _fwd_rows("roi_pool", tag, device, ours_p, theirs_p if tv_ok else None, x, rois, grad, runs)
                     if device == "cuda" and dtype == torch.float32:

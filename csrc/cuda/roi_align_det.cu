@@ -29,7 +29,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
 
 #include "../common/checks.h"
 #include "../common/roi_align_geometry.h"
