@@ -794,9 +794,11 @@ def test_cuda_band_kernels_run_when_chosen():
 
 @pytest.mark.cuda
 def test_cuda_band_kernels_by_dtype_and_width():
-    # float32 maps take the conflict-free band kernels (eight channels per staged pixel) where
-    # their bands hold 16 rows or more; 16-bit and float64 maps, and float32 maps too wide for
-    # them, the kernels that stage fewer channels. All agree with the gather kernels.
+    # float32 maps take the conflict-free band forward (eight channels per staged pixel) where
+    # their bands hold 16 rows or more, and gradients summed in float32 (float32, float16 and
+    # bfloat16 ones) the conflict-free backward there; 16-bit maps' forwards, float64 maps,
+    # and maps too wide for those bands, the kernels that stage fewer channels. All agree with
+    # the gather kernels.
     from torch.profiler import ProfilerActivity, profile
 
     from detops.ops._utils import roi_kernel
@@ -825,12 +827,15 @@ def test_cuda_band_kernels_by_dtype_and_width():
     widest = max(w for w in range(4, 4096, 4) if rows(w) >= 16)  # 448 on H100 / H200
     g = torch.Generator().manual_seed(11)
     for width, dtype in [(300, torch.float32), (widest, torch.float32), (widest + 8, torch.float32),
-                         (300, torch.bfloat16), (300, torch.float16), (300, torch.float64)]:
+                         (300, torch.bfloat16), (300, torch.float16), (widest, torch.float16),
+                         (widest + 8, torch.bfloat16), (300, torch.float64)]:
         x = torch.randn(2, 12, 60, width, generator=g).to("cuda", dtype)
         rois = dense_rois(2, 150, 60, width, 2, 40, 0.5, seed=width).to("cuda", dtype)
         grad = torch.randn(150, 12, 7, 7, generator=g).to("cuda", dtype)
-        kind = "rotated" if dtype == torch.float32 and rows(width) >= 16 else "other"
-        assert band_kernels(x, rois, grad) == ({kind}, {kind}), (width, dtype)
+        fits = rows(width) >= 16
+        forward = "rotated" if dtype == torch.float32 and fits else "other"
+        backward = "rotated" if dtype != torch.float64 and fits else "other"
+        assert band_kernels(x, rois, grad) == ({forward}, {backward}), (width, dtype)
 
 
 @pytest.mark.cuda

@@ -31,9 +31,10 @@
 // for its bands) take roi_align_band_forward_kernel: two or four channels per pixel, a bin the
 // same sum, term for term, as in the tiled gather kernel.
 // Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
-// shared memory with shared-memory atomics, then writes the band out (float32 gradients in
-// roi_align_band_backward_rotated_kernel: eight channels per staged pixel, every warp-wide
-// add on 32 different banks; others one channel at a time). Rows that two bands
+// shared memory with shared-memory atomics, then writes the band out (gradients accumulated in
+// float32, of float32, float16 or bfloat16, in roi_align_band_backward_rotated_kernel: eight
+// channels per staged pixel, every warp-wide add on 32 different banks; float64 ones one
+// channel at a time). Rows that two bands
 // stage (the first `overlap` rows of every band but the first) are zeroed beforehand and
 // added with global atomics; every other row is written once with a plain store, so grad_input
 // needs no zeroing. Pixels past a block's window are left to band_tail_backward_kernel, which
@@ -708,17 +709,18 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
   }
 }
 
-// Float32 backward into bands of eight interleaved channel planes, the forward's rotated
-// layout: two lanes take a bin, one per half of its eight channels, and add its samples'
-// pixels in the cyclic order that puts the four bins of a load phase on four different 32-byte
-// slots. A lane's four channels of one pixel are four adds; the s-th goes to channel
+// Backward into float32 bands of eight interleaved channel planes, the forward's rotated
+// layout, for gradients of float32 or of a 16-bit type (read as float32: the band, the sums
+// and grad_input are float32 in every case): two lanes take a bin, one per half of its eight
+// channels, and add its samples' pixels in the cyclic order that puts the four bins of a load
+// phase on four different 32-byte slots. A lane's four channels of one pixel are four adds; the s-th goes to channel
 // (s + p) mod 4 of its half, p the lane's phase in the warp, so that the four phases of a warp
 // hit different banks as well: every warp-wide add touches 32 different banks and takes one
 // round of the shared-memory add (against about 3.2 rounds in roi_align_band_backward_kernel,
 // BENCHMARKS.md, "roi_align backward without shared-memory atomics").
-template <int G>
+template <typename scalar_t, int G>
 __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rotated_kernel(
-    const float* __restrict__ grad, const BandTap<float>* __restrict__ taps,
+    const scalar_t* __restrict__ grad, const BandTap<float>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
     BandPlan plan, float* __restrict__ grad_input) {
   constexpr int kLane = 4;           // channels per lane
@@ -759,7 +761,8 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rota
       for (int s = 0; s < kLane; ++s) {
         const int ch = ci + kLane * half + ((s + phase) & 3);
         // the same expression as roi_align_band_backward_kernel: go / count
-        gv[s] = ch < nc ? grad[(br.k * sh.channels + c0 + ch) * bins + br.ph * pw_n + pw] / static_cast<float>(G * G)
+        gv[s] = ch < nc ? static_cast<float>(grad[(br.k * sh.channels + c0 + ch) * bins + br.ph * pw_n + pw]) /
+                static_cast<float>(G * G)
                         : 0.f;
         any = any || gv[s] != 0.f;
       }
@@ -1143,10 +1146,11 @@ bool roi_align_backward_band(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "detops._roi_align_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     TORCH_INTERNAL_ASSERT(grad_input.scalar_type() == c10::CppTypeToScalarType<acc_t>::value);
-    // float32 gradients of maps the conflict-free forward takes: the conflict-free backward
-    // (BENCHMARKS.md, "roi_align band backward without bank conflicts"); others one channel at
-    // a time.
-    const BandPlan rplan = std::is_same_v<scalar_t, float>
+    // Gradients accumulated in float32 (float32, float16 and bfloat16 ones) of maps whose bands
+    // of 32-byte pixels hold 16 rows or more: the conflict-free backward (BENCHMARKS.md,
+    // "roi_align band backward without bank conflicts"); float64 ones, and maps too wide for
+    // those bands, one channel at a time.
+    const BandPlan rplan = std::is_same_v<acc_t, float>
         ? rotated_plan(batch, height, width, pooled_height, sampling_ratio)
         : BandPlan{};
     const bool rotated = rplan.ok;
@@ -1166,9 +1170,9 @@ bool roi_align_backward_band(
     };
     with_grid(sampling_ratio, [&](auto gc) {
       constexpr int G = decltype(gc)::value;
-      if constexpr (std::is_same_v<scalar_t, float>) {
+      if constexpr (std::is_same_v<acc_t, float>) {
         if (rotated) {
-          launch(roi_align_band_backward_rotated_kernel<G>, kWideBandThreads);
+          launch(roi_align_band_backward_rotated_kernel<scalar_t, G>, kWideBandThreads);
           return;
         }
       }
