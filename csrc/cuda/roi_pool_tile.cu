@@ -214,18 +214,18 @@ __device__ __forceinline__ plane_band::Lanes<scalar_t, V> fold_pixels(
 }
 
 // Channel e of the lane's words of N consecutive pixels, in order, into its running maximum
-// and index (the sequential rule of take_pixels); i is the flat index of pixel 0.
-template <int N, int V, typename acc_t, typename Word>
+// and index (take_pixels on one channel); i is the flat index of pixel 0.
+template <int N, int V, typename acc_t, typename scalar_t>
 __device__ __forceinline__ void take_channel(
-    const Word* __restrict__ q, int32_t i, int e, acc_t& best, int32_t& best_i) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const Word w = q[j * kPixelWords];
-    const acc_t v = static_cast<acc_t>(e == 0 ? w.v[0] : w.v[V - 1]);
-    const bool gt = v > best;
-    best = gt ? v : best;
-    best_i = gt ? i + j : best_i;
-  }
+    const plane_band::Lanes<scalar_t, V>* __restrict__ q, int32_t i, int e, acc_t& best, int32_t& best_i) {
+  acc_t b[1] = {best};
+  int32_t b_i[1] = {best_i};
+  take_pixels<N, 1, acc_t>([&](int j) {
+    const plane_band::Lanes<scalar_t, V> w = q[j * kPixelWords];
+    return plane_band::Lanes<scalar_t, 1>{{e == 0 ? w.v[0] : w.v[V - 1]}};
+  }, i, b, b_i);
+  best = b[0];
+  best_i = b_i[0];
 }
 
 // The bin's maximum and its first index in row-major order, from the staged window: `rows`
@@ -457,13 +457,26 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
           }
         }
       }
+      const int64_t o = static_cast<int64_t>(bin.k) * sh.channels * bins + (c0 + lane * V) * o_sc + bin.r * o_sr;
+      if (V > 1 && o_sc == 1 && sh.channels % V == 0 && lane * V + V <= nc) {
+        // the lane's channels side by side ([K, bins, C] with C even, so o is even): one store
+        // of its word and one of its indices, half the L2 sectors of a store per element
+        Word w;
+        plane_band::Lanes<int32_t, V> w_i;
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
-        const int ci = lane * V + v;
-        if (ci < nc) {
-          const int64_t o = static_cast<int64_t>(bin.k) * sh.channels * bins + (c0 + ci) * o_sc + bin.r * o_sr;
-          output[o] = static_cast<scalar_t>(best[v]);
-          argmax[o] = best_i[v];
+        for (int v = 0; v < V; ++v) {
+          w.v[v] = static_cast<scalar_t>(best[v]);
+          w_i.v[v] = best_i[v];
+        }
+        *reinterpret_cast<Word*>(output + o) = w;
+        *reinterpret_cast<plane_band::Lanes<int32_t, V>*>(argmax + o) = w_i;
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          if (lane * V + v < nc) {
+            output[o + v * o_sc] = static_cast<scalar_t>(best[v]);
+            argmax[o + v * o_sc] = best_i[v];
+          }
         }
       }
     }
