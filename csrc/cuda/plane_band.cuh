@@ -156,18 +156,27 @@ __device__ __forceinline__ bool shared_row(const BandPlan& plan, int bi, int r) 
 }
 
 // Zeroes rows [first, first + overlap) of bands 1 .. bands - 1 (clamped to H) in every plane
-// of a contiguous [planes, H, W] buffer: blocks take rows in turn, threads along a row.
+// of a contiguous [planes, H, W] buffer: warps take rows in turn, lanes along a row, 16 bytes
+// at a time where every row starts on 16 bytes (else an element at a time).
 template <typename T>
 __global__ void zero_shared_rows_kernel(
-    T* __restrict__ data, int64_t rows, int height, int width, BandPlan plan) {
+    T* __restrict__ data, int64_t rows, int height, int width, BandPlan plan, bool vectors) {
   const int64_t per_plane = static_cast<int64_t>(plan.bands - 1) * plan.overlap;
-  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; i < rows; i += warps) {
     const int64_t p = i / per_plane;
     const int j = static_cast<int>(i - p * per_plane);
     const int y = (1 + j / plan.overlap) * plan.core + j % plan.overlap;
     if (y >= height) continue;
     T* row = data + (p * height + y) * width;
-    for (int x = threadIdx.x; x < width; x += blockDim.x) row[x] = T(0);
+    if (vectors) {
+      uint4* v = reinterpret_cast<uint4*>(row);
+      const int n = static_cast<int>(width * sizeof(T) / 16);
+      for (int x = lane; x < n; x += 32) v[x] = make_uint4(0, 0, 0, 0);
+    } else {
+      for (int x = lane; x < width; x += 32) row[x] = T(0);
+    }
   }
 }
 
@@ -179,8 +188,9 @@ void zero_shared_rows(T* data, int64_t planes, int64_t height, int64_t width, co
                       cudaStream_t stream) {
   if (plan.bands <= 1 || plan.overlap <= 0 || planes <= 0 || width <= 0) return;
   const int64_t rows = planes * (plan.bands - 1) * plan.overlap;
-  zero_shared_rows_kernel<T><<<cuda::grid_for(rows, 1), 128, 0, stream>>>(
-      data, rows, static_cast<int>(height), static_cast<int>(width), plan);
+  const bool vectors = reinterpret_cast<uintptr_t>(data) % 16 == 0 && (width * sizeof(T)) % 16 == 0;
+  zero_shared_rows_kernel<T><<<cuda::grid_for(rows, 8), 256, 0, stream>>>(
+      data, rows, static_cast<int>(height), static_cast<int>(width), plan, vectors);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -281,6 +291,31 @@ __device__ __forceinline__ void block_exclusive_scan(int64_t m, Load load, Store
     if (threadIdx.x == 0) carry += warp_sums[kGroupWarps - 1];
     __syncthreads();
   }
+}
+
+// The warp's run of equal keys that holds this lane (runs of consecutive lanes; key -1 marks
+// lanes past the items, which form runs of their own): lanes [start, end). All lanes call it.
+struct KeyRun {
+  int start, end;
+};
+
+template <typename index_t>
+__device__ __forceinline__ KeyRun key_run(index_t key, int lane) {
+  const index_t prev = __shfl_up_sync(0xffffffffu, key, 1);
+  const unsigned starts = __ballot_sync(0xffffffffu, lane == 0 || prev != key);
+  const unsigned later = lane == 31 ? 0u : starts & (0xffffffffu << (lane + 1));
+  return KeyRun{31 - __clz(starts & (0xffffffffu >> (31 - lane))), later ? __ffs(later) - 1 : 32};
+}
+
+// The maximum of v over the lanes of this lane's run, to the run's first lane (the others get
+// the maximum of their rest of the run). All lanes call it.
+__device__ __forceinline__ int32_t run_max(int32_t v, const KeyRun& run, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int32_t u = __shfl_down_sync(0xffffffffu, v, d);
+    if (lane + d < run.end) v = max(v, u);
+  }
+  return v;
 }
 
 // Groups bin rows by owner in one block, in no particular order (a counting sort by shared

@@ -13,8 +13,10 @@
 //      image * tiles + tile; empty bins and the bins of RoIs with an invalid batch index get
 //      the extra key B * tiles (and such an index fails a device assertion, as
 //      roi_checks::check_batch_indices_async would). It also takes, per tile, the bounding
-//      window of its bins' pixels (from the tile's corner to the furthest bin end);
-//   2. group_by_owner (plane_band.cuh) lists the bins of each key (in any order);
+//      window of its bins' pixels (from the tile's corner to the furthest bin end), and counts
+//      the bins of each key;
+//   2. roi_pool_tile_scatter_kernel lists the bins of each key (in any order), over many
+//      blocks (group_by_owner of plane_band.cuh, one block, past kScatterKeys keys);
 //   3. roi_pool_tile_forward_kernel: a block per (key, group of channels) stages its tile's
 //      window, cut down to the staging capacity, of its channels (pixel-major: a pixel's
 //      channels are adjacent, 33 words apart from the next pixel, so that both the staging
@@ -116,35 +118,81 @@ TilePlan plan_tiles(int64_t height, int64_t width, int64_t word_bytes, int64_t b
   return p;
 }
 
-// keys[i] for bin i = (k * PH + ph) * PW + pw: its tile, or the extra key for empty bins.
-// reach[2 * key], reach[2 * key + 1] (zeroed beforehand): the furthest bin end of the tile's
-// bins, in rows and columns from the tile's corner.
+// keys[i] for bin i = (k * PH + ph) * PW + pw: its tile, or the extra key for empty bins;
+// counts[key] (zeroed beforehand): the bins of each key. reach[2 * key], reach[2 * key + 1]
+// (zeroed beforehand): the furthest bin end of the tile's bins, in rows and columns from the
+// tile's corner. The bins of one RoI mostly share a tile, so each run of lanes with the same
+// key takes its count and maxima first and its first lane updates counts and reach: one
+// atomic per bin contends on a few words of L2.
 template <typename scalar_t>
 __global__ void roi_pool_tile_keys_kernel(
     int64_t total, const scalar_t* __restrict__ rois, at::opmath_type<scalar_t> scale,
-    TileShape sh, TilePlan plan, int32_t* __restrict__ keys, int32_t* __restrict__ reach) {
+    TileShape sh, TilePlan plan, int32_t* __restrict__ keys, int32_t* __restrict__ counts,
+    int32_t* __restrict__ reach) {
   const int64_t bins = static_cast<int64_t>(sh.pooled_height) * sh.pooled_width;
   const int32_t tiles = plan.tiles_y * plan.tiles_x;
   const int32_t extra = static_cast<int32_t>(sh.batch * tiles);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    const int64_t k = i / bins, r = i - k * bins;
-    if (r == 0) {
-      roi_checks::assert_batch_index(static_cast<double>(rois[k * 5]), sh.batch, roi_checks::RoIOp::kRoIPool);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  // whole warps walk the bins, so that every lane takes part in the warp's votes
+  for (int64_t base = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x - lane; base < total;
+       base += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+    const int64_t i = base + lane;
+    int32_t key = -1, reach_y = 0, reach_x = 0;
+    if (i < total) {
+      const int64_t k = i / bins, r = i - k * bins;
+      if (r == 0) {
+        roi_checks::assert_batch_index(static_cast<double>(rois[k * 5]), sh.batch, roi_checks::RoIOp::kRoIPool);
+      }
+      const int64_t ph = r / sh.pooled_width, pw = r - ph * sh.pooled_width;
+      const auto box = geometry::roi_pool_box_at(rois, k, scale, sh.batch, sh.pooled_height, sh.pooled_width);
+      int64_t h0, h1, w0, w1;
+      if (geometry::roi_pool_bin(box, ph, pw, sh.height, sh.width, h0, h1, w0, w1)) {
+        const int64_t ty = h0 / plan.core, tx = w0 / plan.core;
+        key = static_cast<int32_t>((box.batch * plan.tiles_y + ty) * plan.tiles_x + tx);
+        reach_y = static_cast<int32_t>(h1 - ty * plan.core);
+        reach_x = static_cast<int32_t>(w1 - tx * plan.core);
+      }
+      keys[i] = key >= 0 ? key : extra;
     }
-    const int64_t ph = r / sh.pooled_width, pw = r - ph * sh.pooled_width;
-    const auto box = geometry::roi_pool_box_at(rois, k, scale, sh.batch, sh.pooled_height, sh.pooled_width);
-    int64_t h0, h1, w0, w1;
-    const bool live = geometry::roi_pool_bin(box, ph, pw, sh.height, sh.width, h0, h1, w0, w1);
-    if (!live) {
-      keys[i] = extra;
-      continue;
+    const int32_t listed = i < total ? (key >= 0 ? key : extra) : -1;
+    const plane_band::KeyRun run = plane_band::key_run(listed, lane);
+    reach_y = plane_band::run_max(reach_y, run, lane);
+    reach_x = plane_band::run_max(reach_x, run, lane);
+    if (run.start != lane || listed < 0) continue;
+    atomicAdd(&counts[listed], run.end - run.start);
+    if (key >= 0) {
+      atomicMax(&reach[2 * key], reach_y);
+      atomicMax(&reach[2 * key + 1], reach_x);
     }
-    const int64_t ty = h0 / plan.core, tx = w0 / plan.core;
-    const int32_t key = static_cast<int32_t>((box.batch * plan.tiles_y + ty) * plan.tiles_x + tx);
-    keys[i] = key;
-    atomicMax(&reach[2 * key], static_cast<int32_t>(h1 - ty * plan.core));
-    atomicMax(&reach[2 * key + 1], static_cast<int32_t>(w1 - tx * plan.core));
+  }
+}
+
+// Lists each key's bins from its count (roi_pool_tile_keys_kernel), over many blocks:
+// offsets = the exclusive scan of counts (which each block takes for itself), and bin i in
+// rows[offsets[key] ..) at a place that a run of lanes with the same key reserves with one
+// atomic on cursor[key] (zeroed beforehand), in no particular order within a key. For at most
+// kScatterKeys keys; blocks of plane_band::kGroupThreads threads (block_exclusive_scan's).
+constexpr int kScatterKeys = 4096;
+
+__global__ void __launch_bounds__(plane_band::kGroupThreads) roi_pool_tile_scatter_kernel(
+    const int32_t* __restrict__ keys, int64_t total, int32_t num_keys, const int32_t* __restrict__ counts,
+    int32_t* __restrict__ cursor, int32_t* __restrict__ offsets, int32_t* __restrict__ rows) {
+  __shared__ int32_t base[kScatterKeys + 1];
+  plane_band::block_exclusive_scan<int32_t>(
+      static_cast<int64_t>(num_keys) + 1, [&](int64_t i) { return i < num_keys ? counts[i] : 0; },
+      [&](int64_t i, int32_t o) {
+        base[i] = o;
+        if (blockIdx.x == 0) offsets[i] = o;
+      });
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps = blockDim.x / 32;
+  for (int64_t g = blockIdx.x * warps + threadIdx.x / 32; g * 32 < total; g += gridDim.x * warps) {
+    const int64_t i = g * 32 + lane;
+    const int32_t key = i < total ? keys[i] : -1;
+    const plane_band::KeyRun run = plane_band::key_run(key, lane);
+    int32_t at = key >= 0 && run.start == lane ? atomicAdd(&cursor[key], run.end - run.start) : 0;
+    at = __shfl_sync(0xffffffffu, at, run.start);
+    if (key >= 0) rows[base[key] + at + (lane - run.start)] = static_cast<int32_t>(i);
   }
 }
 
@@ -578,13 +626,15 @@ bool roi_pool_forward_tile(
   const int64_t height = input.size(2), width = input.size(3);
   const int64_t total = rois.size(0) * pooled_height * pooled_width;
   const int64_t num_keys = batch * plan.tiles_y * plan.tiles_x + 1;  // the last: empty bins
-  // keys, rows, offsets, counts, reach
-  at::Tensor index = at::empty({2 * total + 2 * (num_keys + 1) + 2 * num_keys}, rois.options().dtype(at::kInt));
+  // keys, rows, offsets, then counts, reach and cursor (zeroed)
+  const int64_t zeroed = (num_keys + 1) + 2 * num_keys + num_keys;
+  at::Tensor index = at::empty({2 * total + (num_keys + 1) + zeroed}, rois.options().dtype(at::kInt));
   int32_t* keys = index.data_ptr<int32_t>();
   int32_t* rows = keys + total;
   int32_t* offsets = rows + total;
   int32_t* counts = offsets + num_keys + 1;
   int32_t* reach = counts + num_keys + 1;
+  int32_t* cursor = reach + 2 * num_keys;
   const TileShape shape{batch, channels, static_cast<int>(height), static_cast<int>(width),
                         static_cast<int>(pooled_height), static_cast<int>(pooled_width),
                         input.stride(0), input.stride(1), input.stride(2), input.stride(3),
@@ -594,11 +644,19 @@ bool roi_pool_forward_tile(
     using acc_t = at::opmath_type<scalar_t>;
     constexpr int V = lane_channels<scalar_t>();
     const acc_t scale = static_cast<acc_t>(spatial_scale);
-    C10_CUDA_CHECK(cudaMemsetAsync(reach, 0, 2 * num_keys * sizeof(int32_t), stream));
+    C10_CUDA_CHECK(cudaMemsetAsync(counts, 0, zeroed * sizeof(int32_t), stream));
     roi_pool_tile_keys_kernel<scalar_t><<<cuda::grid_for(total, 256), 256, 0, stream>>>(
-        total, rois.const_data_ptr<scalar_t>(), scale, shape, plan, keys, reach);
+        total, rois.const_data_ptr<scalar_t>(), scale, shape, plan, keys, counts, reach);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    plane_band::group_by_owner<int32_t>(keys, total, num_keys, counts, offsets, rows, 0, /*in_order=*/false, stream);
+    if (num_keys < kScatterKeys) {
+      // many blocks: one block grouping every bin took 45 µs for the 50 k bins of the benchmark
+      // (BENCHMARKS.md, "Setup kernels of the RoI ops")
+      roi_pool_tile_scatter_kernel<<<cuda::grid_for(total, plane_band::kGroupThreads), plane_band::kGroupThreads, 0,
+                                     stream>>>(keys, total, static_cast<int32_t>(num_keys), counts, cursor, offsets, rows);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      plane_band::group_by_owner<int32_t>(keys, total, num_keys, counts, offsets, rows, 0, /*in_order=*/false, stream);
+    }
     const int64_t list_offset = cuda::round_up(static_cast<int64_t>(plan.capacity) * kPixelWords * word_bytes(input), 16);
     const int64_t smem = list_offset + kTileList * static_cast<int64_t>(sizeof(TileBin));
     auto kernel = roi_pool_tile_forward_kernel<scalar_t>;
