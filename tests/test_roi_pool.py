@@ -658,6 +658,17 @@ def test_cuda_benchmark_shapes(dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("side", [300, 1300])
+def test_cuda_tile_forward_many_tiles(side):
+    # the tile forward lists its bins with a many-block scatter up to 4096 keys (tiles plus
+    # one) and with the one-block grouping past them: a 1300 x 1300 map has more than 4096
+    # tiles on any GPU (their side is at most about 20 pixels)
+    x = distinct_input((1, 3, side, side), seed=side)
+    rois = bench_rois(300, 1, side, side, seed=side)
+    _check_cuda_against_cpu(x, rois, 1.0, 7, 7, layouts=("contiguous",), backward=False)
+
+
+@pytest.mark.cuda
 def test_cuda_single_channel_and_empty_rois():
     # C = 1 channels_last is also contiguous: the rows kernel takes it; RoIs entirely
     # outside the map or with NaN coordinates have only empty bins

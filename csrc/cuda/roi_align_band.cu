@@ -34,11 +34,10 @@
 // shared memory with shared-memory atomics, then writes the band out (gradients accumulated in
 // float32, of float32, float16 or bfloat16, in roi_align_band_backward_rotated_kernel: eight
 // channels per staged pixel, every warp-wide add on 32 different banks; float64 ones one
-// channel at a time). Rows that two bands
-// stage (the first `overlap` rows of every band but the first) are zeroed beforehand and
-// added with global atomics; every other row is written once with a plain store, so grad_input
-// needs no zeroing. Pixels past a block's window are left to band_tail_backward_kernel, which
-// runs after and adds them with global atomics.
+// channel at a time). Rows that two bands stage (the first `overlap` rows of every band but
+// the first) are zeroed beforehand and added with global atomics; every other row is written
+// once with a plain store, so grad_input needs no zeroing. Pixels past a block's window are
+// left to band_tail_backward_kernel, which runs after and adds them with global atomics.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/Atomic.cuh>
@@ -713,11 +712,12 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
 // layout, for gradients of float32 or of a 16-bit type (read as float32: the band, the sums
 // and grad_input are float32 in every case): two lanes take a bin, one per half of its eight
 // channels, and add its samples' pixels in the cyclic order that puts the four bins of a load
-// phase on four different 32-byte slots. A lane's four channels of one pixel are four adds; the s-th goes to channel
-// (s + p) mod 4 of its half, p the lane's phase in the warp, so that the four phases of a warp
-// hit different banks as well: every warp-wide add touches 32 different banks and takes one
-// round of the shared-memory add (against about 3.2 rounds in roi_align_band_backward_kernel,
-// BENCHMARKS.md, "roi_align backward without shared-memory atomics").
+// phase on four different 32-byte slots. A lane's four channels of one pixel are four adds;
+// the s-th goes to channel (s + p) mod 4 of its half, p the lane's phase in the warp, so that
+// the four phases of a warp hit different banks as well: every warp-wide add touches 32
+// different banks and takes one round of the shared-memory add (against about 3.2 rounds in
+// roi_align_band_backward_kernel, BENCHMARKS.md, "roi_align backward without shared-memory
+// atomics").
 template <typename scalar_t, int G>
 __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rotated_kernel(
     const scalar_t* __restrict__ grad, const BandTap<float>* __restrict__ taps,
