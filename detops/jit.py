@@ -82,10 +82,10 @@ def want_cuda() -> bool:
 
 
 def sources(with_cuda: bool, aot: bool = False) -> List[str]:
-    """The csrc files of one build: the module (vision.cpp), the CPU and autocast kernels, the
-    CUDA kernels when with_cuda, and the C ABI entries (csrc/aot) when aot."""
+    """The csrc files of one build: the module (vision.cpp), the CPU, autocast and autograd
+    kernels, the CUDA kernels when with_cuda, and the C ABI entries (csrc/aot) when aot."""
     files = glob.glob(os.path.join(CSRC, "*.cpp"))
-    for sub in ("cpu", "autocast") + (("aot",) if aot else ()):
+    for sub in ("cpu", "autocast", "autograd") + (("aot",) if aot else ()):
         files += glob.glob(os.path.join(CSRC, sub, "*.cpp"))
     if with_cuda:
         files += glob.glob(os.path.join(CSRC, "cuda", "*.cu")) + glob.glob(os.path.join(CSRC, "cuda", "*.cpp"))

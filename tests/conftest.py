@@ -68,6 +68,30 @@ def assert_fails_device_assert(code):
     return done.stdout + done.stderr
 
 
+def op_python_called(fn):
+    """The source files of detops' package and of torch.library (torch/_library) whose Python
+    functions fn() calls on this thread (sys.setprofile): what a call of an op with its autograd
+    in C++ should not run."""
+    import detops
+
+    roots = (
+        os.path.dirname(os.path.abspath(detops.__file__)) + os.sep,
+        os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_library") + os.sep,
+    )
+    files = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and os.path.abspath(frame.f_code.co_filename).startswith(roots):
+            files.add(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return files
+
+
 def with_threads(n, fn):
     """fn() run with torch's CPU thread count set to n, then set back."""
     threads = torch.get_num_threads()

@@ -17,6 +17,7 @@ from tests.conftest import (
     dense_rois,
     invalid_batch_index_code,
     large_output_case,
+    op_python_called,
     with_threads,
 )
 
@@ -289,6 +290,21 @@ def test_double_backward_raises():
     (g,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError):
         g.sum().backward()
+
+
+def test_autograd_is_cpp():
+    # The op's autograd is registered in C++ (csrc/autograd): neither the forward of an input
+    # that needs a gradient nor its backward runs Python of torch.library or of detops.
+    x = features(batch=1, channels=2, height=6, width=6, dtype=torch.float64).requires_grad_()
+    rois = torch.tensor([[0, 0.5, 0.5, 4.0, 3.0]], dtype=torch.float64)
+    op = torch.ops.detops.roi_align.default
+    out = []
+    called = op_python_called(lambda: out.append(op(x, rois, 1.0, 2, 2, 2, False)))
+    called |= op_python_called(lambda: out[0].backward(torch.ones_like(out[0])))
+    assert not called, called
+    xr = x.detach().clone().requires_grad_()
+    ref_roi_align(xr, rois, (2, 2), 1.0, 2, False).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, **TOL[torch.float64])
 
 
 def test_compile_fullgraph_cpu():

@@ -16,6 +16,7 @@ from tests.conftest import (
     dense_rois,
     invalid_batch_index_code,
     large_output_case,
+    op_python_called,
     with_threads,
 )
 
@@ -319,6 +320,22 @@ def test_opcheck():
     _, arg = op(x.detach(), rois, 0.5, 3, 2)
     g = torch.randn(10, 3, 3, 2, dtype=torch.float64)
     torch.library.opcheck(op_bwd, (g, rois, arg, 0.5, 3, 2, 2, 3, 9, 10))
+
+
+def test_autograd_is_cpp():
+    # The op's autograd is registered in C++ (csrc/autograd): neither the forward of an input
+    # that needs a gradient nor its backward runs Python of torch.library or of detops.
+    x = distinct_input((2, 3, 9, 10), dtype=torch.float64).requires_grad_()
+    rois = random_rois(10, 2, 9, 10, 0.5, seed=5, dtype=torch.float64)
+    res = []
+    called = op_python_called(lambda: res.extend(op.default(x, rois, 0.5, 3, 2)))
+    out, arg = res
+    assert not arg.requires_grad
+    g = torch.randn_like(out)
+    called |= op_python_called(lambda: out.backward(g))
+    assert not called, called
+    want = ref.roi_pool_backward(g, rois, arg, 2, 3, 9, 10)
+    torch.testing.assert_close(x.grad, want, rtol=0, atol=1e-12)
 
 
 def test_compile_fullgraph():

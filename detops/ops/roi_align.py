@@ -4,10 +4,10 @@ Each RoI is cut into output_size bins; a bin is the mean of bilinear samples of 
 map taken on a regular grid inside it (sampling_ratio per axis, or ceil(bin size) when
 sampling_ratio <= 0). Samples further than one pixel outside the map count as 0.
 
-Autograd is registered on the op itself (`torch.library.register_autograd`), so
-`torch.ops.detops.roi_align` is differentiable and passes `torch.library.opcheck`; `roi_align`
-calls the op directly (an autograd.Function around it would cost a few microseconds of Python
-per call). The backward op is not differentiable (no double backward).
+Autograd is registered on the op itself, in C++ (csrc/autograd/roi_ops.cpp), so
+`torch.ops.detops.roi_align` is differentiable, passes `torch.library.opcheck`, and a call runs
+no Python past `roi_align`'s own few lines. The backward op is not differentiable (no double
+backward).
 
 On CUDA with `torch.use_deterministic_algorithms(True)` the backward runs a deterministic
 kernel (bit-identical from run to run); otherwise it accumulates with atomics.
@@ -91,46 +91,6 @@ class RoIAlign(nn.Module):
             f"spatial_scale={self.spatial_scale}, sampling_ratio={self.sampling_ratio}, "
             f"aligned={self.aligned})"
         )
-
-
-# --- autograd of the op ---------------------------------------------------------------------
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    input, rois, spatial_scale, ph, pw, sampling_ratio, aligned = inputs
-    ctx.save_for_backward(rois)
-    ctx.input_shape = tuple(input.shape)
-    ctx.input_dtype = input.dtype
-    ctx.args = (spatial_scale, ph, pw, sampling_ratio, aligned)
-
-
-def _op_backward(ctx, grad: Tensor):
-    """d loss / d input [B, C, H, W] from d loss / d output [K, C, PH, PW]."""
-    if not ctx.needs_input_grad[0]:
-        return None, None, None, None, None, None, None
-    (rois,) = ctx.saved_tensors
-    spatial_scale, ph, pw, sampling_ratio, aligned = ctx.args
-    b, c, h, w = ctx.input_shape
-    # Under autocast the forward may have run in float32 on inputs of another dtype; the
-    # backward op wants grad and rois in one dtype.
-    g = torch.ops.detops._roi_align_backward(
-        grad.to(rois.dtype), rois, spatial_scale, ph, pw, b, c, h, w, sampling_ratio, aligned
-    )
-    return g.to(ctx.input_dtype), None, None, None, None, None, None
-
-
-def _backward_setup_context(ctx, inputs, output) -> None:
-    pass
-
-
-def _backward_backward(ctx, grad: Tensor):
-    raise RuntimeError(f"{_OP}: double backward (the gradient of _roi_align_backward) is not supported")
-
-
-torch.library.register_autograd("detops::roi_align", _op_backward, setup_context=_setup_context)
-torch.library.register_autograd(
-    "detops::_roi_align_backward", _backward_backward, setup_context=_backward_setup_context
-)
 
 
 # --- fake (meta) kernels for torch.compile / export --------------------------------------------

@@ -20,35 +20,6 @@ __all__ = ["roi_pool", "RoIPool"]
 _OP = "detops.roi_pool"
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    input, rois, spatial_scale, pooled_height, pooled_width = inputs
-    _, argmax = output
-    ctx.save_for_backward(rois, argmax)
-    ctx.mark_non_differentiable(argmax)
-    # argmax never has a gradient: no zero tensor of its shape is made for the backward
-    ctx.set_materialize_grads(False)
-    ctx.spatial_scale = spatial_scale
-    ctx.pooled_size = (pooled_height, pooled_width)
-    ctx.input_shape = tuple(input.shape)
-    ctx.input_dtype = input.dtype
-
-
-def _backward(ctx, grad_output: Tensor, grad_argmax: Tensor):
-    if grad_output is None:
-        return None, None, None, None, None
-    rois, argmax = ctx.saved_tensors
-    b, c, h, w = ctx.input_shape
-    # Under autocast the op may have run in float32 on casts of the arguments: the gradient is
-    # taken in the RoIs' dtype and returned in the input's.
-    grad_input = torch.ops.detops._roi_pool_backward(
-        grad_output.to(rois.dtype), rois, argmax, ctx.spatial_scale, *ctx.pooled_size, b, c, h, w
-    )
-    return grad_input.to(ctx.input_dtype), None, None, None, None
-
-
-torch.library.register_autograd("detops::roi_pool", _backward, setup_context=_setup_context)
-
-
 def roi_pool(
     input: Tensor,
     boxes: Union[Tensor, List[Tensor]],
@@ -72,7 +43,7 @@ def roi_pool(
     """
     rois = boxes_to_rois(boxes, _OP)
     ph, pw = pair(output_size, _OP)
-    # the op's own autograd (an autograd.Function around it would cost Python time per call)
+    # the op's own autograd, in C++ (csrc/autograd/roi_ops.cpp)
     output, _ = torch.ops.detops.roi_pool.default(input, rois, float(spatial_scale), ph, pw)
     return output
 

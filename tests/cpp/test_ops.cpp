@@ -87,6 +87,26 @@ TEST(RoIAlign, BackwardSpreadsEachBinOverItsSamples) {
   EXPECT_EQ(g[0][0][7][7].item<float>(), 0.0f);  // outside the box
 }
 
+TEST(Autograd, RoIOpsAreDifferentiableFromCpp) {
+  // The ops carry their own autograd (csrc/autograd): a gradient through detops::ops::roi_align
+  // is the backward op's on the same RoIs; through roi_pool it goes to each bin's maximum.
+  auto input = at::arange(64, at::kFloat).view({1, 1, 8, 8}).requires_grad_();
+  auto rois = rois_of({0, 1, 1, 5, 5}, at::kCPU);
+  detops::ops::roi_align(input, rois, 1.0, 2, 2, 2, true).sum().backward();
+  auto want = detops::ops::roi_align_backward(at::ones({1, 1, 2, 2}), rois, 1.0, 2, 2, 1, 1, 8, 8, 2, true);
+  EXPECT_TRUE(at::equal(input.grad(), want)) << input.grad();
+  EXPECT_NEAR(input.grad().sum().item<float>(), 4.0f, 1e-5);
+
+  auto x = at::arange(16, at::kFloat).view({1, 1, 4, 4}).requires_grad_();
+  auto [out, argmax] = detops::ops::roi_pool(x, rois_of({0, 0, 0, 3, 3}, at::kCPU), 1.0, 2, 2);
+  EXPECT_FALSE(argmax.requires_grad());
+  out.sum().backward();
+  auto g = x.grad().flatten();
+  for (int64_t i = 0; i < 16; ++i) {
+    EXPECT_EQ(g[i].item<float>(), (i == 5 || i == 7 || i == 13 || i == 15) ? 1.0f : 0.0f) << i;
+  }
+}
+
 TEST(RoIPool, MaxOfAKnownGrid) {
   for (const auto& device : devices()) {
     // 4x4 map 0..15, box (0, 0, 3, 3): 2x2 bins of 2x2 pixels, maxima 5, 7, 13, 15.
