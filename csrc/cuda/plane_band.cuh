@@ -18,10 +18,13 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <utility>
+#include <vector>
 
 #include "cuda_helpers.h"
 
@@ -471,10 +474,27 @@ inline int64_t band_budget(int64_t wanted, int64_t other_bytes) {
 }
 
 // Raises a kernel's dynamic shared-memory limit (a host-side attribute of the kernel on the
-// current device; cheap to set again).
+// current device). Set once per kernel, device and size: the call costs about a microsecond of
+// host time, which a lone call of a RoI op waits for.
 template <typename Kernel>
 void allow_smem(Kernel kernel, int64_t bytes) {
+  struct Set {
+    const void* kernel;
+    int device, bytes;
+  };
+  static std::mutex mutex;
+  static std::vector<Set> done;
+  const int device = static_cast<int>(c10::cuda::current_device());
+  const void* key = reinterpret_cast<const void*>(kernel);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = std::find_if(done.begin(), done.end(), [&](const Set& s) { return s.kernel == key && s.device == device; });
+  if (it != done.end() && it->bytes >= bytes) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  if (it == done.end()) {
+    done.push_back(Set{key, device, static_cast<int>(bytes)});
+  } else {
+    it->bytes = static_cast<int>(bytes);
+  }
 }
 
 }  // namespace plane_band
