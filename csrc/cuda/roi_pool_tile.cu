@@ -152,9 +152,9 @@ __global__ void roi_pool_tile_keys_kernel(
         reach_y = static_cast<int32_t>(h1 - ty * plan.core);
         reach_x = static_cast<int32_t>(w1 - tx * plan.core);
       }
-      keys[i] = key >= 0 ? key : extra;
     }
     const int32_t listed = i < total ? (key >= 0 ? key : extra) : -1;
+    if (i < total) keys[i] = listed;
     const plane_band::KeyRun run = plane_band::key_run(listed, lane);
     reach_y = plane_band::run_max(reach_y, run, lane);
     reach_x = plane_band::run_max(reach_x, run, lane);
