@@ -64,14 +64,24 @@ def cases(only_forward=False, dtypes=("fp32",), sizes=(7,)):
 
 
 def host_cases():
-    """Forward calls of detops and torchvision on the benchmark inputs."""
+    """Forward and forward+backward calls of detops and torchvision on the benchmark inputs."""
     x = torch.randn(2, 256, 200, 304, device="cuda")
     rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
+    xg = x.clone().requires_grad_()
+    grad = torch.randn(1024, 256, 7, 7, device="cuda")
+
+    def fwd_bwd(fn):
+        return lambda: torch.autograd.grad(fn(xg), xg, grad)
+
     return {
         "roi_align fwd 7x7, detops": lambda: detops.ops.roi_align(x, rois, 7, 0.25, 2, True),
         "roi_align fwd 7x7, torchvision": lambda: torchvision.ops.roi_align(x, rois, 7, 0.25, 2, True),
         "roi_pool fwd 7x7, detops": lambda: detops.ops.roi_pool(x, rois, 7, 0.25),
         "roi_pool fwd 7x7, torchvision": lambda: torchvision.ops.roi_pool(x, rois, 7, 0.25),
+        "roi_align fwd+bwd 7x7, detops": fwd_bwd(lambda t: detops.ops.roi_align(t, rois, 7, 0.25, 2, True)),
+        "roi_align fwd+bwd 7x7, torchvision": fwd_bwd(lambda t: torchvision.ops.roi_align(t, rois, 7, 0.25, 2, True)),
+        "roi_pool fwd+bwd 7x7, detops": fwd_bwd(lambda t: detops.ops.roi_pool(t, rois, 7, 0.25)),
+        "roi_pool fwd+bwd 7x7, torchvision": fwd_bwd(lambda t: torchvision.ops.roi_pool(t, rois, 7, 0.25)),
     }
 
 
@@ -183,7 +193,7 @@ def deterministic_times(sizes=(7, 14), runs=50):
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--once", action="store_true", help="one call of each case (for ncu)")
-    p.add_argument("--host", action="store_true", help="host issue time and event time per forward call")
+    p.add_argument("--host", action="store_true", help="host issue time and event time per forward and forward+backward call")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--only-forward", action="store_true", help="only roi_align forward (band kernel) per dtype and size")
     p.add_argument("--dtypes", default="fp32", help="with --only-forward or --graph: fp32,bf16,fp16")
