@@ -35,6 +35,8 @@ CHECK = textwrap.dedent(
     x = torch.arange(16, dtype=torch.float32).view(1, 1, 4, 4)
     rois = torch.tensor([[0, 0, 0, 3, 3]], dtype=torch.float32)
     out, argmax = C.roi_pool_forward(x, rois, 1.0, 2, 2)
+    xg = x.clone().requires_grad_()
+    detops.ops.roi_align(xg, rois, 2, 1.0, 2, True).sum().backward()
     print(json.dumps({{
         "module": C.__name__,
         "file": C.__file__,
@@ -47,6 +49,7 @@ CHECK = textwrap.dedent(
         "c_nms": C.nms(boxes, scores, 0.5).tolist(),
         "roi_pool": out.flatten().tolist(),
         "roi_align": detops.ops.roi_align(x, rois, 2, 1.0, 2, True).flatten().tolist(),
+        "roi_align_grad": xg.grad.flatten().tolist(),
         "warnings": [str(w.message) for w in caught],
         "times": jit.times,
     }}))
@@ -127,6 +130,10 @@ def test_jit_module_matches_the_prebuilt_extension(jit_build):
     x = torch.arange(16, dtype=torch.float32).view(1, 1, 4, 4)
     want = detops.ops.roi_align(x, torch.tensor([[0, 0, 0, 3, 3]], dtype=torch.float32), 2, 1.0, 2, True)
     assert torch.allclose(torch.tensor(got["roi_align"]), want.flatten())
+    # the ops' autograd (csrc/autograd) is part of the JIT build
+    xg = x.clone().requires_grad_()
+    detops.ops.roi_align(xg, torch.tensor([[0, 0, 0, 3, 3]], dtype=torch.float32), 2, 1.0, 2, True).sum().backward()
+    assert torch.equal(torch.tensor(got["roi_align_grad"]), xg.grad.flatten())
     assert any("DETOPS_JIT=1" in w for w in got["warnings"])
 
 
