@@ -9,7 +9,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <string>
+#include <vector>
 
 namespace detops {
 namespace ops {
@@ -33,6 +33,24 @@ using RoIPoolSig =
 using RoIPoolBackwardSig = at::Tensor(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, double, c10::SymInt, c10::SymInt, c10::SymInt,
     c10::SymInt, c10::SymInt, c10::SymInt);
+
+// The dispatcher ops the autograd kernels call below the Autograd key.
+const c10::TypedOperatorHandle<RoIAlignSig>& roi_align_op() {
+  static const auto op = op_handle<RoIAlignSig>("detops::roi_align");
+  return op;
+}
+const c10::TypedOperatorHandle<RoIAlignBackwardSig>& roi_align_backward_op() {
+  static const auto op = op_handle<RoIAlignBackwardSig>("detops::_roi_align_backward");
+  return op;
+}
+const c10::TypedOperatorHandle<RoIPoolSig>& roi_pool_op() {
+  static const auto op = op_handle<RoIPoolSig>("detops::roi_pool");
+  return op;
+}
+const c10::TypedOperatorHandle<RoIPoolBackwardSig>& roi_pool_backward_op() {
+  static const auto op = op_handle<RoIPoolBackwardSig>("detops::_roi_pool_backward");
+  return op;
+}
 
 // The saved input shape [B, C, H, W] as SymInts.
 std::vector<c10::SymInt> saved_shape(AutogradContext* ctx) {
@@ -59,9 +77,8 @@ class RoIAlignFunction : public torch::autograd::Function<RoIAlignFunction> {
     ctx->saved_data["input_dtype"] = input.scalar_type();
     ctx->save_for_backward({rois});
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = op_handle<RoIAlignSig>("detops::roi_align");
-    return {op.call(input, rois, spatial_scale, std::move(pooled_height), std::move(pooled_width), sampling_ratio,
-                    aligned)};
+    return {roi_align_op().call(
+        input, rois, spatial_scale, std::move(pooled_height), std::move(pooled_width), sampling_ratio, aligned)};
   }
 
   static variable_list backward(AutogradContext* ctx, const variable_list& grad_output) {
@@ -69,8 +86,7 @@ class RoIAlignFunction : public torch::autograd::Function<RoIAlignFunction> {
     if (!ctx->needs_input_grad(0) || !grad_output[0].defined()) return grads;
     const Variable rois = ctx->get_saved_variables()[0];
     const auto shape = saved_shape(ctx);
-    static auto op = op_handle<RoIAlignBackwardSig>("detops::_roi_align_backward");
-    grads[0] = op.call(
+    grads[0] = roi_align_backward_op().call(
                      grad_output[0].to(rois.scalar_type()), rois, ctx->saved_data["spatial_scale"].toDouble(),
                      ctx->saved_data["pooled_height"].toSymInt(), ctx->saved_data["pooled_width"].toSymInt(),
                      shape[0], shape[1], shape[2], shape[3], ctx->saved_data["sampling_ratio"].toInt(),
@@ -87,8 +103,7 @@ class RoIAlignBackwardFunction : public torch::autograd::Function<RoIAlignBackwa
       c10::SymInt pooled_height, c10::SymInt pooled_width, c10::SymInt batch_size, c10::SymInt channels,
       c10::SymInt height, c10::SymInt width, int64_t sampling_ratio, bool aligned) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = op_handle<RoIAlignBackwardSig>("detops::_roi_align_backward");
-    return {op.call(
+    return {roi_align_backward_op().call(
         grad, rois, spatial_scale, std::move(pooled_height), std::move(pooled_width), std::move(batch_size),
         std::move(channels), std::move(height), std::move(width), sampling_ratio, aligned)};
   }
@@ -109,8 +124,8 @@ class RoIPoolFunction : public torch::autograd::Function<RoIPoolFunction> {
     ctx->saved_data["input_shape"] = input.sym_sizes();
     ctx->saved_data["input_dtype"] = input.scalar_type();
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = op_handle<RoIPoolSig>("detops::roi_pool");
-    auto [output, argmax] = op.call(input, rois, spatial_scale, std::move(pooled_height), std::move(pooled_width));
+    auto [output, argmax] =
+        roi_pool_op().call(input, rois, spatial_scale, std::move(pooled_height), std::move(pooled_width));
     ctx->save_for_backward({rois, argmax});
     ctx->mark_non_differentiable({argmax});
     // argmax never has a gradient: no zero tensor of its shape is made for the backward
@@ -124,8 +139,7 @@ class RoIPoolFunction : public torch::autograd::Function<RoIPoolFunction> {
     const auto saved = ctx->get_saved_variables();
     const Variable &rois = saved[0], &argmax = saved[1];
     const auto shape = saved_shape(ctx);
-    static auto op = op_handle<RoIPoolBackwardSig>("detops::_roi_pool_backward");
-    grads[0] = op.call(
+    grads[0] = roi_pool_backward_op().call(
                      grad_output[0].to(rois.scalar_type()), rois, argmax, ctx->saved_data["spatial_scale"].toDouble(),
                      ctx->saved_data["pooled_height"].toSymInt(), ctx->saved_data["pooled_width"].toSymInt(),
                      shape[0], shape[1], shape[2], shape[3])
@@ -141,8 +155,7 @@ class RoIPoolBackwardFunction : public torch::autograd::Function<RoIPoolBackward
       double spatial_scale, c10::SymInt pooled_height, c10::SymInt pooled_width, c10::SymInt batch_size,
       c10::SymInt channels, c10::SymInt height, c10::SymInt width) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = op_handle<RoIPoolBackwardSig>("detops::_roi_pool_backward");
-    return {op.call(
+    return {roi_pool_backward_op().call(
         grad, rois, argmax, spatial_scale, std::move(pooled_height), std::move(pooled_width), std::move(batch_size),
         std::move(channels), std::move(height), std::move(width))};
   }
