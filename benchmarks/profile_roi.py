@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile_roi            # torch.profiler: the kernels of each call
     python -m benchmarks.profile_roi --host     # host time per call against GPU time per call
+    python -m benchmarks.profile_roi --host --dtypes fp32,bf16,fp16  # and 16-bit roi_align
     # the forward per call: timed alone, back to back, and replayed from a CUDA graph
     python -m benchmarks.profile_roi --graph --dtypes fp32,bf16 --sizes 7,14
     # the backward alone and forward+backward, atomic and deterministic
@@ -63,16 +64,26 @@ def cases(only_forward=False, dtypes=("fp32",), sizes=(7,)):
     return out
 
 
-def host_cases():
-    """Forward and forward+backward calls of detops and torchvision on the benchmark inputs."""
+def host_cases(dtypes=("fp32",)):
+    """Forward and forward+backward calls of detops and torchvision on the benchmark inputs
+    (float32), then detops' roi_align in the other `dtypes` (maps and RoIs in that dtype)."""
     x = torch.randn(2, 256, 200, 304, device="cuda")
     rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
     xg = x.clone().requires_grad_()
     grad = torch.randn(1024, 256, 7, 7, device="cuda")
 
-    def fwd_bwd(fn):
+    def fwd_bwd(fn, xg=xg, grad=grad):
         return lambda: torch.autograd.grad(fn(xg), xg, grad)
 
+    others = {}
+    for dname in dtypes:
+        if dname == "fp32":
+            continue
+        xd, rd, gd = x.to(DTYPES[dname]), rois.to(DTYPES[dname]), grad.to(DTYPES[dname])
+        others[f"roi_align fwd 7x7, detops, {dname}"] = lambda xd=xd, rd=rd: detops.ops.roi_align(xd, rd, 7, 0.25, 2, True)
+        others[f"roi_align fwd+bwd 7x7, detops, {dname}"] = fwd_bwd(
+            lambda t, rd=rd: detops.ops.roi_align(t, rd, 7, 0.25, 2, True), xd.clone().requires_grad_(), gd
+        )
     return {
         "roi_align fwd 7x7, detops": lambda: detops.ops.roi_align(x, rois, 7, 0.25, 2, True),
         "roi_align fwd 7x7, torchvision": lambda: torchvision.ops.roi_align(x, rois, 7, 0.25, 2, True),
@@ -82,6 +93,7 @@ def host_cases():
         "roi_align fwd+bwd 7x7, torchvision": fwd_bwd(lambda t: torchvision.ops.roi_align(t, rois, 7, 0.25, 2, True)),
         "roi_pool fwd+bwd 7x7, detops": fwd_bwd(lambda t: detops.ops.roi_pool(t, rois, 7, 0.25)),
         "roi_pool fwd+bwd 7x7, torchvision": fwd_bwd(lambda t: torchvision.ops.roi_pool(t, rois, 7, 0.25)),
+        **others,
     }
 
 
@@ -104,11 +116,11 @@ def queued_times(fn, calls=20, rounds=15):
     return statistics.median(issue), statistics.median(gpu)
 
 
-def host_overhead(calls=20, rounds=15):
+def host_overhead(calls=20, rounds=15, dtypes=("fp32",)):
     """Per call: the host's time to issue it while the GPU is busy with a long sleep kernel (so
     the launches queue without waiting), and the event time of one call timed alone, as the
     benchmarks time it. The event time includes every host gap before the GPU work starts."""
-    for name, fn in host_cases().items():
+    for name, fn in host_cases(dtypes).items():
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
@@ -196,13 +208,13 @@ def main():
     p.add_argument("--host", action="store_true", help="host issue time and event time per forward and forward+backward call")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--only-forward", action="store_true", help="only roi_align forward (band kernel) per dtype and size")
-    p.add_argument("--dtypes", default="fp32", help="with --only-forward or --graph: fp32,bf16,fp16")
+    p.add_argument("--dtypes", default="fp32", help="with --only-forward, --graph or --host: fp32,bf16,fp16")
     p.add_argument("--sizes", default="7", help="with --only-forward, --graph or --deterministic: output sizes, e.g. 7,14")
     p.add_argument("--graph", action="store_true", help="forward per call: alone, back to back, CUDA graph replay")
     p.add_argument("--deterministic", action="store_true", help="backward and forward+backward, atomic and deterministic")
     a = p.parse_args()
     if a.host:
-        host_overhead()
+        host_overhead(dtypes=tuple(a.dtypes.split(",")))
         return
     if a.graph:
         graph_times(tuple(a.dtypes.split(",")), tuple(int(v) for v in a.sizes.split(",")))
