@@ -523,6 +523,16 @@ def test_cuda_invalid_batch_index_asserts(kernel):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["gather", "band"])
+def test_cuda_invalid_batch_index_asserts_backward(kernel):
+    # the band backward, like the forward, checks batch indices in its setup kernel
+    grad = "torch.ones(51, 3, 7, 7, device='cuda')"
+    call = f"torch.ops.detops._roi_align_backward({grad}, rois, 1.0, 7, 7, 2, 3, 40, 40, 2, True)"
+    out = assert_fails_device_assert(invalid_batch_index_code(kernel, call))
+    assert "detops._roi_align_backward: rois[:, 0]" in out, out
+
+
+@pytest.mark.cuda
 def test_cuda_autocast():
     x = features(device="cuda")
     rois = edge_rois(2, 0.5, torch.float32, "cuda")

@@ -49,9 +49,11 @@ bool roi_align_backward_deterministic_staged(
     int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& grad_input);
 
 // roi_align_band.cu: dense RoIs on NCHW maps through shared-memory plane bands; false for
-// inputs the band kernels do not take (or roi_kernel() rules out). rois in the accumulation
-// type; the backward's grad_input is the accumulation-type buffer, written whole. The forward
-// checks the batch indices itself (the same device assertion as check_batch_indices_async).
+// inputs the band kernels do not take (or roi_kernel() rules out). rois contiguous, in the
+// dtype of input (of grad), read in the accumulation type by the setup kernel (16-bit RoIs need
+// no conversion pass); the backward's grad_input is the accumulation-type buffer, written
+// whole. Both check the batch indices themselves (the same device assertion as
+// check_batch_indices_async).
 bool roi_align_forward_band(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& output);
@@ -513,13 +515,13 @@ at::Tensor roi_align_forward_cuda(
       cuda::empty_written({rois.size(0), input.size(1), pooled_height, pooled_width}, input.options());
   if (output.numel() == 0) return output;
   const int64_t batch = input.size(0);
-  const at::Tensor r = rois.to(acc_dtype_of(rois.scalar_type())).contiguous();
   // the band kernels check the batch indices in their setup
   if (roi_align_forward_band(
-          input, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, output)) {
+          input, rois.contiguous(), spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, output)) {
     return output;
   }
   roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlign, rois, batch);
+  const at::Tensor r = rois.to(acc_dtype_of(rois.scalar_type())).contiguous();
   const int64_t total = output.numel();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t channels = input.size(1), bins = pooled_height * pooled_width;
@@ -676,10 +678,9 @@ at::Tensor roi_align_backward_cuda(
   if (batch_size * channels * height * width == 0 || rois.size(0) == 0) {
     return at::zeros({batch_size, channels, height, width}, grad.options());
   }
-  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlignBackward, rois, batch_size);
-  const at::Tensor r = rois.to(acc_dtype_of(dtype)).contiguous();
-
   if (at::globalContext().deterministicAlgorithms()) {
+    roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlignBackward, rois, batch_size);
+    const at::Tensor r = rois.to(acc_dtype_of(dtype)).contiguous();
     // every element written by either deterministic backward
     at::Tensor grad_input = cuda::empty_written({batch_size, channels, height, width}, grad.options());
     if (roi_align_backward_deterministic_staged(
@@ -704,10 +705,13 @@ at::Tensor roi_align_backward_cuda(
 
   at::Tensor acc = at::empty(
       {batch_size, channels, height, width}, grad.options().dtype(acc_dtype_of(dtype)));
+  // the band kernels check the batch indices in their setup
   if (roi_align_backward_band(
-          grad, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, acc)) {
+          grad, rois.contiguous(), spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, acc)) {
     return acc.to(dtype);
   }
+  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlignBackward, rois, batch_size);
+  const at::Tensor r = rois.to(acc_dtype_of(dtype)).contiguous();
   acc.zero_();
   const at::Tensor g = grad.contiguous();
   const int64_t total = g.numel();

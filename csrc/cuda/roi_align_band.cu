@@ -111,22 +111,26 @@ __device__ __forceinline__ void load_taps(const BandTap<acc_t>* __restrict__ src
 
 // Taps of RoI k: PH * G row taps, then PW * G column taps. keys[k * PH + ph]: the owner of bin
 // row (k, ph); tall[k * PH + ph]: 1 when the bin row reads pixel rows past its owner's window.
-// With `check` (the forward's setup), a RoI whose batch index is invalid also fails roi_align's
-// device assertion.
-template <typename acc_t>
+// With a check op (a roi_checks::RoIOp; kNoCheck: none), a RoI whose batch index is invalid
+// also fails that op's device assertion, so that the op needs no launch of its own for it.
+constexpr int kNoCheck = -1;
+
+template <typename acc_t, typename roi_t>
 __global__ void band_taps_kernel(
-    int64_t num_rois, const acc_t* __restrict__ rois, int64_t batch, int height, int width,
+    int64_t num_rois, const roi_t* __restrict__ rois, int64_t batch, int height, int width,
     int pooled_height, int pooled_width, acc_t scale, int grid, bool aligned, BandPlan plan,
     BandTap<acc_t>* __restrict__ taps, int32_t* __restrict__ keys, uint8_t* __restrict__ tall,
-    bool check) {
+    int check_op) {
   const int per = pooled_height + pooled_width;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_rois * per;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t k = i / per;
     const int j = static_cast<int>(i - k * per);
-    const acc_t* roi = rois + k * 5;
-    if (check && j == 0) {
-      roi_checks::assert_batch_index(static_cast<double>(roi[0]), batch, roi_checks::RoIOp::kRoIAlign);
+    acc_t roi[5];  // in acc_t: a 16-bit RoI's values exactly
+#pragma unroll
+    for (int e = 0; e < 5; ++e) roi[e] = static_cast<acc_t>(rois[k * 5 + e]);
+    if (check_op != kNoCheck && j == 0) {
+      roi_checks::assert_batch_index(static_cast<double>(roi[0]), batch, static_cast<roi_checks::RoIOp>(check_op));
     }
     const int64_t b = roi_align::roi_batch_index(roi[0], batch);
     const RoIBins<acc_t> r =
@@ -971,15 +975,16 @@ bool band_applies(
   return reads >= 4.0 && pixels * channels * elem_bytes >= (rotated ? 10.0 : 48.0) * (1 << 20);
 }
 
-// The taps and the owners' lists of bin rows (band_taps_kernel, plane_band::group_by_owner).
+// The taps and the owners' lists of bin rows (band_taps_kernel, plane_band::group_by_owner),
+// from rois [K, 5] of roi_t (contiguous).
 // in_order: each owner's list in bin-row order, the same on every call, for kernels whose sums
 // follow the list (else in whatever order the grouping's atomics leave it).
-template <typename acc_t>
+template <typename acc_t, typename roi_t>
 BandSetup setup_bands(
     const at::Tensor& rois, int64_t batch, int64_t channels, int64_t height, int64_t width,
     int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned,
     double spatial_scale, const BandPlan& plan, cudaStream_t stream, int64_t channel_step = 1,
-    bool check = false, bool in_order = false) {
+    int check_op = kNoCheck, bool in_order = false) {
   BandSetup s;
   s.plan = plan;
   const int64_t num_rois = rois.size(0);
@@ -997,11 +1002,11 @@ BandSetup setup_bands(
   int32_t* counts = offsets + s.num_keys + 2;
   s.tall = reinterpret_cast<uint8_t*>(keys + index_ints);
   const int64_t items = num_rois * (pooled_height + pooled_width);
-  band_taps_kernel<acc_t><<<cuda::grid_for(items, 256), 256, 0, stream>>>(
-      num_rois, rois.const_data_ptr<acc_t>(), batch, static_cast<int>(height),
+  band_taps_kernel<acc_t, roi_t><<<cuda::grid_for(items, 256), 256, 0, stream>>>(
+      num_rois, rois.const_data_ptr<roi_t>(), batch, static_cast<int>(height),
       static_cast<int>(width), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
       static_cast<acc_t>(spatial_scale), static_cast<int>(sampling_ratio), aligned, s.plan,
-      reinterpret_cast<BandTap<acc_t>*>(s.scratch.data_ptr<uint8_t>()), keys, s.tall, check);
+      reinterpret_cast<BandTap<acc_t>*>(s.scratch.data_ptr<uint8_t>()), keys, s.tall, check_op);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   plane_band::group_by_owner<int32_t>(
       keys, s.rows_total, s.num_keys + 1, counts, offsets, rows, static_cast<int>(pooled_height), in_order,
@@ -1068,9 +1073,10 @@ bool roi_align_forward_band(
         plan = band_plan(height, width, nc * input.element_size());
       }
     }
-    const BandSetup s = setup_bands<acc_t>(
+    const BandSetup s = setup_bands<acc_t, scalar_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
-        spatial_scale, plan, stream, nc, /*check=*/true,  // the caller leaves the batch-index check to the setup
+        spatial_scale, plan, stream, nc,
+        static_cast<int>(roi_checks::RoIOp::kRoIAlign),  // the caller leaves the batch-index check to the setup
         /*in_order=*/rotated);  // the rotated kernel's sums follow the list order: the same lists, the same bits
     // one more column of blocks: those of the discard key, which write its bins' zeros
     const dim3 grid(s.grid.x + 1, s.grid.y);
@@ -1154,10 +1160,11 @@ bool roi_align_backward_band(
         ? rotated_plan(batch, height, width, pooled_height, sampling_ratio)
         : BandPlan{};
     const bool rotated = rplan.ok;
-    const BandSetup s = setup_bands<acc_t>(
+    const BandSetup s = setup_bands<acc_t, scalar_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
         aligned, spatial_scale, rotated ? rplan : band_plan(height, width, sizeof(acc_t)), stream,
-        rotated ? kRotatedPixelBytes / static_cast<int>(sizeof(float)) : 1);
+        rotated ? kRotatedPixelBytes / static_cast<int>(sizeof(float)) : 1,
+        static_cast<int>(roi_checks::RoIOp::kRoIAlignBackward));  // as in the forward
     // Rows two bands stage start at zero; every other row is stored by its band.
     plane_band::zero_shared_rows(grad_input.data_ptr<acc_t>(), batch * channels, height, width, s.plan, stream);
     const acc_t count = static_cast<acc_t>(sampling_ratio * sampling_ratio);
