@@ -886,6 +886,33 @@ def test_cuda_band_forward_same_bits_every_call(dtype, case):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_band_kernels_read_rois_as_given(dtype):
+    # The band setup reads the RoIs in their own dtype (16-bit ones with no conversion pass):
+    # RoIs with a column stride give the bits of contiguous ones, forward and backward.
+    from detops.ops._utils import roi_kernel
+
+    batch, c, h, w, k, lo, hi, spill, pooled, sr, aligned = BAND_CASES["bands, tall bins"]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(batch, c, h, w, generator=g).to(dtype).cuda()
+    rois = dense_rois(batch, k, h, w, lo, hi, 0.5, seed=3, spill=spill).to(dtype).cuda()
+    strided = torch.cat([rois, rois], 1)[:, ::2]
+    strided.copy_(rois)
+    assert not strided.is_contiguous()
+    grad = torch.randn(k, c, *pooled, generator=g).to(dtype).cuda()
+    backward = torch.ops.detops._roi_align_backward
+    with roi_kernel("band"):
+        out = roi_align(x, rois, pooled, 0.5, sr, aligned)
+        assert torch.equal(roi_align(x, strided, pooled, 0.5, sr, aligned), out)
+        args = (0.5, *pooled, batch, c, h, w, sr, aligned)
+        gi = backward(grad, rois, *args)
+        # the backward adds with atomics: the last bit may differ between calls
+        tol = LOW_TOL.get(dtype, 1e-5)
+        torch.testing.assert_close(backward(grad, strided, *args), gi, rtol=tol, atol=tol)
+    _assert_close_to_gather(out, x, rois, pooled, 0.5, sr, aligned)
+
+
+@pytest.mark.cuda
 def test_cuda_band_forward_more_owners_than_shared_counts():
     # 12000 images of one band each: more owners than the in-order grouping counts in shared
     # memory, so one warp lists every bin row through the scratch counts.
@@ -930,12 +957,13 @@ def _benchmark_sized(batch, channels, k, max_side, seed, dtype, rois_batch=None)
     return x, rois
 
 
-def _assert_close_to_gather(out, x, rois):
-    """out (a 7x7 band forward of x, rois) against the gather kernels' forward."""
+def _assert_close_to_gather(out, x, rois, pooled=(7, 7), scale=0.25, sr=2, aligned=True):
+    """out (a band forward of x, rois; 7x7 at scale 1/4 by default) against the gather kernels'
+    forward."""
     from detops.ops._utils import roi_kernel
 
     with roi_kernel("gather"):
-        ref = roi_align(x, rois, (7, 7), 0.25, 2, True)
+        ref = roi_align(x, rois, pooled, scale, sr, aligned)
     tol = 1e-5 if x.dtype == torch.float32 else LOW_TOL[x.dtype]
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
