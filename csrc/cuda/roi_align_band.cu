@@ -109,12 +109,13 @@ __device__ __forceinline__ void load_taps(const BandTap<acc_t>* __restrict__ src
   }
 }
 
-// Taps of RoI k: PH * G row taps, then PW * G column taps. keys[k * PH + ph]: the owner of bin
-// row (k, ph); tall[k * PH + ph]: 1 when the bin row reads pixel rows past its owner's window.
-// With a check op (a roi_checks::RoIOp; kNoCheck: none), a RoI whose batch index is invalid
-// also fails that op's device assertion, so that the op needs no launch of its own for it.
-constexpr int kNoCheck = -1;
+constexpr int kNoCheck = -1;  // band_taps_kernel's check_op: no batch-index check
 
+// Taps of RoI k (rois: [K, 5] of roi_t, read in acc_t): PH * G row taps, then PW * G column
+// taps. keys[k * PH + ph]: the owner of bin row (k, ph); tall[k * PH + ph]: 1 when the bin row
+// reads pixel rows past its owner's window. With a check op (a roi_checks::RoIOp), a RoI whose
+// batch index is invalid also fails that op's device assertion, so that the op needs no launch
+// of its own for it.
 template <typename acc_t, typename roi_t>
 __global__ void band_taps_kernel(
     int64_t num_rois, const roi_t* __restrict__ rois, int64_t batch, int height, int width,
