@@ -865,6 +865,65 @@ def test_cuda_band_kernels_by_dtype_and_width():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize(
+    "dtype, size, sliced",
+    [(torch.float32, 7, True), (torch.float32, 14, False), (torch.bfloat16, 14, True), (torch.float16, 7, True)],
+)
+def test_cuda_band_backward_sliced_or_overlapping(dtype, size, sliced):
+    # The conflict-free backward runs in bands without overlap (no tail kernel, no zeroed
+    # shared rows, 16-bit gradients stored directly) for 16-bit gradients, and for float32 ones
+    # where the forward's overlapping bands would share at least half their rows: 16 of 23 for
+    # 7x7 bins of RoIs up to half a 200-row map, 10 of 23 for 14x14 ones. Either way it agrees
+    # with the gather kernel.
+    from torch.profiler import ProfilerActivity, profile
+
+    from detops.ops._utils import roi_kernel
+
+    g = torch.Generator().manual_seed(size)
+    x = torch.randn(2, 16, 200, 304, generator=g).to("cuda", dtype)
+    rois = dense_rois(2, 300, 200, 304, 4, 100, 0.25, seed=5).to("cuda", dtype)
+    grad = torch.randn(300, 16, size, size, generator=g).to("cuda", dtype)
+    grads = {}
+    for kernel in ("band", "gather"):
+        xg = x.clone().requires_grad_()
+        with roi_kernel(kernel), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            roi_align(xg, rois, size, 0.25, 2, True).backward(grad)
+            torch.cuda.synchronize()
+        grads[kernel] = xg.grad
+        names = " ".join(e.name for e in prof.events())
+        if kernel == "band":
+            assert "band_backward_rotated" in names
+            overlapping = "band_tail" in names or "zero_shared_rows" in names
+            assert overlapping != sliced, names
+            assert ("vectorized_elementwise" in names) == (overlapping and dtype != torch.float32), names
+    tol = 1e-5 if dtype == torch.float32 else LOW_TOL[dtype]
+    gs = max(1.0, grads["gather"].float().abs().max().item())
+    torch.testing.assert_close(grads["band"].float(), grads["gather"].float(), rtol=tol, atol=2 * tol * gs)
+
+
+@pytest.mark.cuda
+def test_cuda_band_backward_more_bands_than_sliced_lists_hold():
+    # A 16-bit map of more than 255 bands without overlap (4600 rows, 17 rows a band on a
+    # 400-wide map) takes the overlapping bands and a float32 buffer instead; RoIs of every
+    # height, some taller than a band, some partly off the map.
+    from detops.ops._utils import roi_kernel
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 8, 4600, 400, generator=g).to("cuda", torch.float16)
+    rois = dense_rois(1, 200, 4600, 400, 2, 300, 0.5, seed=9, spill=0.2).to("cuda", torch.float16)
+    grad = torch.randn(200, 8, 7, 7, generator=g).to("cuda", torch.float16)
+    grads = {}
+    for kernel in ("band", "gather"):
+        xg = x.clone().requires_grad_()
+        with roi_kernel(kernel):
+            roi_align(xg, rois, 7, 0.5, 2, True).backward(grad)
+        grads[kernel] = xg.grad
+    gs = max(1.0, grads["gather"].float().abs().max().item())
+    tol = LOW_TOL[torch.float16]
+    torch.testing.assert_close(grads["band"].float(), grads["gather"].float(), rtol=tol, atol=2 * tol * gs)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["few RoIs on a large map", "many RoIs", "odd sizes", "dense, as benchmarked"])
 def test_cuda_band_forward_same_bits_every_call(dtype, case):

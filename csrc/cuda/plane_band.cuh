@@ -326,18 +326,26 @@ __device__ __forceinline__ int32_t run_max(int32_t v, const KeyRun& run, int lan
 // rows[offsets[key] .. offsets[key + 1]), each listed as in group_by_owner_kernel. counts:
 // num_keys + 1 ints of scratch, used only when the counts do not fit in shared memory. Launch
 // with kGroupThreads threads, through group_by_owner.
+// spans (or null: 1 each): item i is listed under keys[i], keys[i] + 1, .. keys[i] + spans[i]
+// - 1 (the consecutive bands a bin row's sample rows touch), so rows holds up to the sum of
+// the spans.
 constexpr int kGroupSharedKeys = 4096;
 
 template <typename index_t>
 __global__ void __launch_bounds__(kGroupThreads) group_by_owner_unordered_kernel(
     const index_t* __restrict__ keys, index_t total, index_t num_keys, index_t* __restrict__ counts,
-    index_t* __restrict__ offsets, index_t* __restrict__ rows, index_t row_div = 0) {
+    index_t* __restrict__ offsets, index_t* __restrict__ rows, index_t row_div = 0,
+    const uint8_t* __restrict__ spans = nullptr) {
   let_dependents_start();  // a band kernel launched early stages its first band meanwhile
   __shared__ index_t local[kGroupSharedKeys];
   index_t* cnt = num_keys < kGroupSharedKeys ? local : counts;
   for (index_t i = threadIdx.x; i <= num_keys; i += blockDim.x) cnt[i] = 0;
   __syncthreads();
-  for (index_t i = threadIdx.x; i < total; i += blockDim.x) atomicAdd(&cnt[keys[i]], index_t(1));
+  for (index_t i = threadIdx.x; i < total; i += blockDim.x) {
+    const index_t key = keys[i];
+    const int span = spans != nullptr ? spans[i] : 1;
+    for (int s = 0; s < span; ++s) atomicAdd(&cnt[key + s], index_t(1));
+  }
   __syncthreads();
   // offsets: the exclusive scan of the counts (offsets[num_keys] = total); each count becomes
   // the next free slot of its owner
@@ -348,7 +356,9 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_unordered_kernel
         if (i < num_keys) cnt[i] = o;
       });
   for (index_t i = threadIdx.x; i < total; i += blockDim.x) {
-    rows[atomicAdd(&cnt[keys[i]], index_t(1))] = listed_row(i, row_div);
+    const index_t key = keys[i], listed = listed_row(i, row_div);
+    const int span = spans != nullptr ? spans[i] : 1;
+    for (int s = 0; s < span; ++s) rows[atomicAdd(&cnt[key + s], index_t(1))] = listed;
   }
 }
 
@@ -444,14 +454,16 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
 // for kernels whose results do not depend on the order of their work; faster, and with many
 // keys much faster). counts: num_keys + 1 ints of scratch, used only when the counts do not fit
 // in shared memory.
+// spans (not in order only): as in group_by_owner_unordered_kernel.
 template <typename index_t>
 void group_by_owner(
     const index_t* keys, int64_t total, int64_t num_keys, index_t* counts, index_t* offsets,
-    index_t* rows, int row_div, bool in_order, cudaStream_t stream) {
+    index_t* rows, int row_div, bool in_order, cudaStream_t stream, const uint8_t* spans = nullptr) {
+  TORCH_INTERNAL_ASSERT(!in_order || spans == nullptr, "group_by_owner: spans are grouped in no order");
   if (!in_order) {
     group_by_owner_unordered_kernel<index_t><<<1, kGroupThreads, 0, stream>>>(
         keys, static_cast<index_t>(total), static_cast<index_t>(num_keys), counts, offsets, rows,
-        static_cast<index_t>(row_div));
+        static_cast<index_t>(row_div), spans);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }

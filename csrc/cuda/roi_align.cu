@@ -57,9 +57,11 @@ bool roi_align_backward_deterministic_staged(
 bool roi_align_forward_band(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& output);
+// grad_input: set to the gradient [batch, channels, height, width] in grad's dtype.
 bool roi_align_backward_band(
     const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& grad_input);
+    int64_t pooled_width, int64_t sampling_ratio, bool aligned, int64_t batch, int64_t channels,
+    int64_t height, int64_t width, at::Tensor& grad_input);
 
 namespace {
 
@@ -703,13 +705,14 @@ at::Tensor roi_align_backward_cuda(
     return grad_input;
   }
 
+  // the band kernels check the batch indices in their setup
+  if (at::Tensor grad_input; roi_align_backward_band(
+          grad, rois.contiguous(), spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,
+          batch_size, channels, height, width, grad_input)) {
+    return grad_input;
+  }
   at::Tensor acc = at::empty(
       {batch_size, channels, height, width}, grad.options().dtype(acc_dtype_of(dtype)));
-  // the band kernels check the batch indices in their setup
-  if (roi_align_backward_band(
-          grad, rois.contiguous(), spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, acc)) {
-    return acc.to(dtype);
-  }
   roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlignBackward, rois, batch_size);
   const at::Tensor r = rois.to(acc_dtype_of(dtype)).contiguous();
   acc.zero_();

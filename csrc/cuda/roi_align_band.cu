@@ -34,10 +34,15 @@
 // shared memory with shared-memory atomics, then writes the band out (gradients accumulated in
 // float32, of float32, float16 or bfloat16, in roi_align_band_backward_rotated_kernel: eight
 // channels per staged pixel, every warp-wide add on 32 different banks; float64 ones one
-// channel at a time). Rows that two bands stage (the first `overlap` rows of every band but
-// the first) are zeroed beforehand and added with global atomics; every other row is written
-// once with a plain store, so grad_input needs no zeroing. Pixels past a block's window are
-// left to band_tail_backward_kernel, which runs after and adds them with global atomics.
+// channel at a time). In the forward's overlapping bands, rows that two bands stage (the first
+// `overlap` rows of every band but the first) are zeroed beforehand and added with global
+// atomics; every other row is written once with a plain store, so grad_input needs no zeroing.
+// Pixels past a block's window are left to band_tail_backward_kernel, which runs after and
+// adds them with global atomics. The rotated backward also runs in bands without overlap
+// (sliced_plan; 16-bit gradients, and float32 ones whose overlapping bands would share at
+// least half their rows): each bin row is listed in every band its sample rows touch, each band
+// adds only its own rows and stores them all in the gradient's type, so there are no shared
+// rows, no tail and no float32 buffer.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/Atomic.cuh>
@@ -113,15 +118,16 @@ constexpr int kNoCheck = -1;  // band_taps_kernel's check_op: no batch-index che
 
 // Taps of RoI k (rois: [K, 5] of roi_t, read in acc_t): PH * G row taps, then PW * G column
 // taps. keys[k * PH + ph]: the owner of bin row (k, ph); tall[k * PH + ph]: 1 when the bin row
-// reads pixel rows past its owner's window. With a check op (a roi_checks::RoIOp), a RoI whose
-// batch index is invalid also fails that op's device assertion, so that the op needs no launch
-// of its own for it.
+// reads pixel rows past its owner's window, or, where `spans` (bands without overlap, at most
+// 255 of them), the number of bands from the owner on that its sample rows touch. With a check
+// op (a roi_checks::RoIOp), a RoI whose batch index is invalid also fails that op's device
+// assertion, so that the op needs no launch of its own for it.
 template <typename acc_t, typename roi_t>
 __global__ void band_taps_kernel(
     int64_t num_rois, const roi_t* __restrict__ rois, int64_t batch, int height, int width,
     int pooled_height, int pooled_width, acc_t scale, int grid, bool aligned, BandPlan plan,
     BandTap<acc_t>* __restrict__ taps, int32_t* __restrict__ keys, uint8_t* __restrict__ tall,
-    int check_op) {
+    int check_op, bool spans) {
   const int per = pooled_height + pooled_width;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_rois * per;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
@@ -164,8 +170,13 @@ __global__ void band_taps_kernel(
       keys[k * pooled_height + p] = (b < 0 || lo_min == INT_MAX)
           ? static_cast<int32_t>(batch * plan.bands)
           : static_cast<int32_t>(b * plan.bands + band);
-      const int last = min(height, band * plan.core + plan.core + plan.overlap);
-      tall[k * pooled_height + p] = hi_max >= last ? 1 : 0;
+      if (spans) {
+        tall[k * pooled_height + p] = static_cast<uint8_t>(
+            lo_min == INT_MAX ? 1 : min(plan.bands - 1, hi_max / plan.core) - band + 1);
+      } else {
+        const int last = min(height, band * plan.core + plan.core + plan.overlap);
+        tall[k * pooled_height + p] = hi_max >= last ? 1 : 0;
+      }
     }
   }
 }
@@ -723,11 +734,16 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
 // different banks and takes one round of the shared-memory add (against about 3.2 rounds in
 // roi_align_band_backward_kernel, BENCHMARKS.md, "roi_align backward without shared-memory
 // atomics").
-template <typename scalar_t, int G>
+// kSliced (bands without overlap, sliced_plan): the block's list holds every bin row whose
+// sample rows touch its rows, and it adds only the pixels of its own rows; it then stores every
+// row in the gradient's type (grad_input is of scalar_t). Else (the forward's overlapping
+// bands): rows two bands stage are added to a float32 grad_input with global atomics, and
+// pixels past the window are left to band_tail_backward_kernel.
+template <typename scalar_t, int G, bool kSliced = false>
 __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rotated_kernel(
     const scalar_t* __restrict__ grad, const BandTap<float>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
-    BandPlan plan, float* __restrict__ grad_input) {
+    BandPlan plan, std::conditional_t<kSliced, scalar_t, float>* __restrict__ grad_input) {
   constexpr int kLane = 4;           // channels per lane
   constexpr int kPixel = 2 * kLane;  // channels per staged pixel
   extern __shared__ __align__(16) unsigned char smem[];
@@ -778,8 +794,10 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rota
       for (int iy = 0; iy < G; ++iy) {
         if (!ty[iy].valid()) continue;
         const int32_t ylo = ty[iy].lo(), yhi = ty[iy].hi(sh.height);
-        // pixel rows past the window are added by band_tail_backward_kernel
-        const bool lo_in = ylo < window.last, hi_in = yhi < window.last;
+        // pixel rows past the window: added by band_tail_backward_kernel, or, sliced, by the
+        // bands they lie in (a bin row is listed in each), as are those above it
+        const bool lo_in = ylo < window.last && (!kSliced || ylo >= window.first);
+        const bool hi_in = yhi < window.last && (!kSliced || yhi >= window.first);
         const int ry = ylo - window.first;
         const uint32_t rlo = band + static_cast<uint32_t>(ry * pitch + half * 16);
         const uint32_t rhi = rlo + static_cast<uint32_t>((yhi - ylo) * pitch);
@@ -811,20 +829,22 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rota
     }
     __syncthreads();
     // a warp per staged row, a lane per half pixel: rows two bands stage are added with global
-    // atomics, the others stored
+    // atomics, the others stored (sliced: every row, in the gradient's type)
     for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += warps) {
       const int y = window.first + r;
-      const bool shared = plane_band::shared_row(plan, bi, y);
+      const bool shared = !kSliced && plane_band::shared_row(plan, bi, y);
       const float4* src = staged + static_cast<int64_t>(r) * plan.stride * 2 + half;
-      float* dst = grad_input + (b * sh.channels + c0 + ci + kLane * half) * plane_size + static_cast<int64_t>(y) * sh.width;
+      auto* dst = grad_input + (b * sh.channels + c0 + ci + kLane * half) * plane_size + static_cast<int64_t>(y) * sh.width;
       for (int x = lane >> 1; x < sh.width; x += 16) {
         const float4 v4 = src[2 * x];
         const float v[kLane] = {v4.x, v4.y, v4.z, v4.w};
 #pragma unroll
         for (int j = 0; j < kLane; ++j) {
           if (ci + kLane * half + j >= nc) continue;
-          float* d = dst + j * plane_size + x;
-          if (shared) {
+          auto* d = dst + j * plane_size + x;
+          if constexpr (kSliced) {
+            *d = static_cast<scalar_t>(v[j]);
+          } else if (shared) {
             if (v[j] != 0.f) gpuAtomicAdd(d, v[j]);
           } else {
             *d = v[j];
@@ -896,6 +916,7 @@ struct BandSetup {
   at::Tensor scratch;
   int64_t taps_bytes = 0;
   int64_t rows_total = 0, num_keys = 0;
+  int64_t listed_cap = 0;  // room for list entries: rows_total, or rows_total * bands with spans
   uint8_t* tall = nullptr;
   dim3 grid;
   size_t smem = 0;
@@ -907,8 +928,17 @@ struct BandSetup {
   int32_t* index() const { return reinterpret_cast<int32_t*>(scratch.data_ptr<uint8_t>() + taps_bytes); }
   const int32_t* keys() const { return index(); }
   const int32_t* rows() const { return keys() + rows_total; }
-  const int32_t* offsets() const { return rows() + rows_total; }
+  const int32_t* offsets() const { return rows() + listed_cap; }
 };
+
+// Channels per block of a band kernel with num_keys bands in all: about four blocks per block
+// slot of the GPU, so that a slow block (a band with many bin rows) does not leave the GPU idle
+// at the end; a multiple of the channels a block stages at once.
+int64_t channels_per_block(int64_t num_keys, int64_t channels, int64_t channel_step) {
+  const int64_t slots = 2 * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const int64_t groups = std::max<int64_t>(1, std::min<int64_t>({channels, cuda::ceil_div(4 * slots, num_keys), 65535}));
+  return cuda::ceil_div(cuda::ceil_div(channels, groups), channel_step) * channel_step;
+}
 
 // The band plan for an H x W plane of elem_bytes-sized staged pixels, in kBandBudget.
 BandPlan band_plan(int64_t height, int64_t width, int64_t elem_bytes, int64_t budget = kBandBudget) {
@@ -936,6 +966,47 @@ BandPlan rotated_plan(int64_t batch, int64_t height, int64_t width, int64_t pool
   p.bands = static_cast<int>(cuda::ceil_div(height, rows - overlap));
   p.smem_bytes = rows * stride * kRotatedPixelBytes;
   p.ok = batch * p.bands < (int64_t{1} << 30);
+  return p;
+}
+
+// The band plan of the sliced float32 backward (roi_align_band_backward_rotated_kernel with
+// kSliced) for an H x W plane: the rotated layout (32-byte pixels in rows of 2 mod 4 pixels),
+// bands without overlap of about equal height, as many rows as a block's shared memory holds.
+// A bin row is listed in every band its sample rows touch, so the lists take up to
+// bin_rows * bands entries. Not ok where the bands would hold fewer than 16 rows, a map has
+// more than 255 bands, or the lists would overflow int32.
+BandPlan sliced_plan(int64_t batch, int64_t channels, int64_t height, int64_t width, int64_t bin_rows) {
+  BandPlan p;
+  if (height <= 0 || width <= 0 || width > (1 << 20)) return p;
+  const int64_t stride = width + (6 - width % 4) % 4;
+  const int64_t fit = plane_band::band_budget(1 << 30, 0) / (stride * kRotatedPixelBytes);
+  if (fit < 16) return p;
+  // The fewest bands that fit, or up to three more where the blocks then fill the GPU's last
+  // wave better: a block's time taken as proportional to its rows, the kernel's to the waves
+  // times the rows of a band.
+  const int64_t fewest = cuda::ceil_div(height, std::min(fit, height));
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  int64_t bands = fewest;
+  double best = 0.0;
+  for (int64_t n = fewest; n <= fewest + 3 && n <= height; ++n) {
+    const int64_t rows = cuda::ceil_div(height, n);
+    const int64_t per_sm = std::max<int64_t>(1, static_cast<int64_t>(props->sharedMemPerMultiprocessor) /
+                                                    (rows * stride * kRotatedPixelBytes + 1024));
+    const int64_t blocks = batch * n * cuda::ceil_div(channels, channels_per_block(batch * n, channels, kRotatedPixelBytes / 4));
+    const double cost = static_cast<double>(cuda::ceil_div(blocks, per_sm * props->multiProcessorCount)) * rows;
+    if (n == fewest || cost < best) {
+      best = cost;
+      bands = n;
+    }
+  }
+  const int64_t core = cuda::ceil_div(height, bands);
+  bands = cuda::ceil_div(height, core);
+  p.stride = static_cast<int>(stride);
+  p.core = static_cast<int>(core);
+  p.overlap = 0;
+  p.bands = static_cast<int>(bands);
+  p.smem_bytes = core * stride * kRotatedPixelBytes;
+  p.ok = bands <= 255 && batch * bands < (int64_t{1} << 30) && bin_rows * bands < (int64_t{1} << 31) - 1;
   return p;
 }
 
@@ -980,26 +1051,30 @@ bool band_applies(
 // from rois [K, 5] of roi_t (contiguous).
 // in_order: each owner's list in bin-row order, the same on every call, for kernels whose sums
 // follow the list (else in whatever order the grouping's atomics leave it).
+// spans: each bin row listed under every band its sample rows touch, not only its owner's (for
+// plans without overlap, sliced_plan; in no order).
 template <typename acc_t, typename roi_t>
 BandSetup setup_bands(
     const at::Tensor& rois, int64_t batch, int64_t channels, int64_t height, int64_t width,
     int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned,
     double spatial_scale, const BandPlan& plan, cudaStream_t stream, int64_t channel_step = 1,
-    int check_op = kNoCheck, bool in_order = false) {
+    int check_op = kNoCheck, bool in_order = false, bool spans = false) {
+  TORCH_INTERNAL_ASSERT(!spans || (plan.overlap == 0 && plan.bands <= 255 && !in_order));
   BandSetup s;
   s.plan = plan;
   const int64_t num_rois = rois.size(0);
   const int64_t per = (pooled_height + pooled_width) * sampling_ratio;
   s.rows_total = num_rois * pooled_height;
+  s.listed_cap = spans ? s.rows_total * s.plan.bands : s.rows_total;
   s.num_keys = batch * s.plan.bands;
   // the taps' size is a multiple of 8 bytes, so the index after them is aligned
   s.taps_bytes = num_rois * per * static_cast<int64_t>(sizeof(BandTap<acc_t>));
   // num_keys owners plus the discard key: offsets and counts hold num_keys + 2 entries
-  const int64_t index_ints = 2 * s.rows_total + 2 * (s.num_keys + 2);
+  const int64_t index_ints = s.rows_total + s.listed_cap + 2 * (s.num_keys + 2);
   s.scratch = at::empty({s.taps_bytes + 4 * index_ints + s.rows_total}, rois.options().dtype(at::kByte));
   int32_t* keys = s.index();
   int32_t* rows = keys + s.rows_total;
-  int32_t* offsets = rows + s.rows_total;
+  int32_t* offsets = rows + s.listed_cap;
   int32_t* counts = offsets + s.num_keys + 2;
   s.tall = reinterpret_cast<uint8_t*>(keys + index_ints);
   const int64_t items = num_rois * (pooled_height + pooled_width);
@@ -1007,18 +1082,12 @@ BandSetup setup_bands(
       num_rois, rois.const_data_ptr<roi_t>(), batch, static_cast<int>(height),
       static_cast<int>(width), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
       static_cast<acc_t>(spatial_scale), static_cast<int>(sampling_ratio), aligned, s.plan,
-      reinterpret_cast<BandTap<acc_t>*>(s.scratch.data_ptr<uint8_t>()), keys, s.tall, check_op);
+      reinterpret_cast<BandTap<acc_t>*>(s.scratch.data_ptr<uint8_t>()), keys, s.tall, check_op, spans);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   plane_band::group_by_owner<int32_t>(
       keys, s.rows_total, s.num_keys + 1, counts, offsets, rows, static_cast<int>(pooled_height), in_order,
-      stream);
-  // Channel groups: about four blocks per block slot of the GPU, so that a slow block (a band
-  // with many bin rows) does not leave the GPU idle at the end.
-  const int64_t slots = 2 * static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  const int64_t groups = std::max<int64_t>(
-      1, std::min<int64_t>({channels, cuda::ceil_div(4 * slots, s.num_keys), 65535}));
-  // a multiple of the channels a block stages at once
-  const int64_t per_block = cuda::ceil_div(cuda::ceil_div(channels, groups), channel_step) * channel_step;
+      stream, spans ? s.tall : nullptr);
+  const int64_t per_block = channels_per_block(s.num_keys, channels, channel_step);
   s.shape = BandShape{channels, static_cast<int>(height), static_cast<int>(width),
                       static_cast<int>(pooled_height), static_cast<int>(pooled_width),
                       static_cast<int>(per_block)};
@@ -1140,26 +1209,55 @@ bool roi_align_forward_band(
 
 bool roi_align_backward_band(
     const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& grad_input) {
-  const int64_t batch = grad_input.size(0), channels = grad_input.size(1);
-  const int64_t height = grad_input.size(2), width = grad_input.size(3);
-  if (!grad_input.is_contiguous() ||
-      !band_applies(false, batch, channels, height, width, rois.size(0), pooled_height,
-                    pooled_width, sampling_ratio, grad_input.element_size(), true)) {
+    int64_t pooled_width, int64_t sampling_ratio, bool aligned, int64_t batch, int64_t channels,
+    int64_t height, int64_t width, at::Tensor& grad_input) {
+  const at::ScalarType acc_type = at::toOpMathType(grad.scalar_type());
+  if (!band_applies(false, batch, channels, height, width, rois.size(0), pooled_height,
+                    pooled_width, sampling_ratio, at::elementSize(acc_type), true)) {
     return false;
   }
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor g = grad.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "detops._roi_align_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    TORCH_INTERNAL_ASSERT(grad_input.scalar_type() == c10::CppTypeToScalarType<acc_t>::value);
     // Gradients accumulated in float32 (float32, float16 and bfloat16 ones) of maps whose bands
     // of 32-byte pixels hold 16 rows or more: the conflict-free backward (BENCHMARKS.md,
-    // "roi_align band backward without bank conflicts"); float64 ones, and maps too wide for
-    // those bands, one channel at a time.
+    // "roi_align band backward without bank conflicts"), in bands without overlap where
+    // sliced_plan allows (BENCHMARKS.md, "roi_align band backward in bands without overlap"),
+    // else in the forward's overlapping bands through a float32 buffer. float64 ones, and maps
+    // too wide for those bands, one channel at a time in overlapping bands.
     const BandPlan rplan = std::is_same_v<acc_t, float>
         ? rotated_plan(batch, height, width, pooled_height, sampling_ratio)
         : BandPlan{};
+    if constexpr (std::is_same_v<acc_t, float>) {
+      // 16-bit gradients always (no float32 buffer to convert); float32 ones where two
+      // overlapping bands would add at least half of each band's rows with global atomics (16
+      // of 23 for the benchmark's 7x7 bins, where the sliced backward measured 12% faster; it
+      // measured 5% slower at 14x14, where 10 of 23 rows are shared).
+      const bool shared_half = 4 * rplan.overlap >= rplan.core + rplan.overlap;
+      const BandPlan splan = !std::is_same_v<scalar_t, float> || shared_half
+          ? sliced_plan(batch, channels, height, width, rois.size(0) * pooled_height)
+          : BandPlan{};
+      if (splan.ok) {
+        const BandSetup s = setup_bands<acc_t, scalar_t>(
+            rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
+            aligned, spatial_scale, splan, stream, kRotatedPixelBytes / static_cast<int>(sizeof(float)),
+            static_cast<int>(roi_checks::RoIOp::kRoIAlignBackward), /*in_order=*/false, /*spans=*/true);
+        // every element stored by its band
+        grad_input = cuda::empty_written({batch, channels, height, width}, grad.options());
+        with_grid(sampling_ratio, [&](auto gc) {
+          constexpr int G = decltype(gc)::value;
+          auto kernel = roi_align_band_backward_rotated_kernel<scalar_t, G, true>;
+          plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
+          kernel<<<s.grid, kWideBandThreads, s.smem, stream>>>(
+              g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, s.plan,
+              grad_input.data_ptr<scalar_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+        return;
+      }
+    }
+    at::Tensor acc = at::empty({batch, channels, height, width}, grad.options().dtype(acc_type));
     const bool rotated = rplan.ok;
     const BandSetup s = setup_bands<acc_t, scalar_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
@@ -1167,13 +1265,13 @@ bool roi_align_backward_band(
         rotated ? kRotatedPixelBytes / static_cast<int>(sizeof(float)) : 1,
         static_cast<int>(roi_checks::RoIOp::kRoIAlignBackward));  // as in the forward
     // Rows two bands stage start at zero; every other row is stored by its band.
-    plane_band::zero_shared_rows(grad_input.data_ptr<acc_t>(), batch * channels, height, width, s.plan, stream);
+    plane_band::zero_shared_rows(acc.data_ptr<acc_t>(), batch * channels, height, width, s.plan, stream);
     const acc_t count = static_cast<acc_t>(sampling_ratio * sampling_ratio);
     auto launch = [&](auto kernel, int threads) {
       plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
       kernel<<<s.grid, threads, s.smem, stream>>>(
           g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, s.plan,
-          grad_input.data_ptr<acc_t>());
+          acc.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     with_grid(sampling_ratio, [&](auto gc) {
@@ -1189,8 +1287,9 @@ bool roi_align_backward_band(
     const int64_t tail_items = rois.size(0) * pooled_height * channels;
     band_tail_backward_kernel<scalar_t, acc_t><<<cuda::grid_for(tail_items, 256), 256, 0, stream>>>(
         g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.keys(), s.tall, rois.size(0), s.shape,
-        static_cast<int>(sampling_ratio), count, s.plan, grad_input.data_ptr<acc_t>());
+        static_cast<int>(sampling_ratio), count, s.plan, acc.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    grad_input = acc.scalar_type() == grad.scalar_type() ? acc : acc.to(grad.scalar_type());
   });
   return true;
 }
