@@ -945,6 +945,27 @@ BandPlan band_plan(int64_t height, int64_t width, int64_t elem_bytes, int64_t bu
   return plane_band::plan_bands(height, width, elem_bytes, plane_band::band_budget(budget, 0));
 }
 
+// Rows of 32-byte pixels that a block's shared memory holds for a plane `width` wide, in rows
+// of `stride` pixels (2 mod 4), or 0 where fewer than 16 fit.
+int64_t rotated_rows(int64_t width, int64_t& stride) {
+  if (width <= 0 || width > (1 << 20)) return 0;
+  stride = width + (6 - width % 4) % 4;
+  const int64_t fit = plane_band::band_budget(1 << 30, 0) / (stride * kRotatedPixelBytes);
+  return fit < 16 ? 0 : fit;
+}
+
+// Bands of `core` + `overlap` rows of 32-byte pixels, rows `stride` pixels apart, for a plane
+// `height` rows tall.
+BandPlan rotated_bands(int64_t height, int64_t stride, int64_t core, int64_t overlap) {
+  BandPlan p;
+  p.stride = static_cast<int>(stride);
+  p.core = static_cast<int>(core);
+  p.overlap = static_cast<int>(overlap);
+  p.bands = static_cast<int>(cuda::ceil_div(height, core));
+  p.smem_bytes = (core + overlap) * stride * kRotatedPixelBytes;
+  return p;
+}
+
 // The band plan of roi_align_band_forward_rotated_kernel for an H x W plane: 32-byte pixels
 // in rows of 2 mod 4 pixels, as many rows as a block's shared memory holds. The overlap holds
 // the bin rows of RoIs up to half the map's height wherever they start (their sample rows span
@@ -952,19 +973,13 @@ BandPlan band_plan(int64_t height, int64_t width, int64_t elem_bytes, int64_t bu
 // 200-row map, 6 for 14x14 ones), at most 3/8 of the rows; taller bin rows read global memory.
 // Not ok where the bands would hold fewer than 16 rows, or the batch's bands overflow the keys.
 BandPlan rotated_plan(int64_t batch, int64_t height, int64_t width, int64_t pooled_height, int64_t grid) {
-  BandPlan p;
-  if (height <= 0 || width <= 0 || width > (1 << 20)) return p;
-  const int64_t stride = width + (6 - width % 4) % 4;
-  const int64_t fit = plane_band::band_budget(1 << 30, 0) / (stride * kRotatedPixelBytes);
-  if (fit < 16) return p;
+  int64_t stride = 0;
+  const int64_t fit = height > 0 ? rotated_rows(width, stride) : 0;
+  if (fit == 0) return BandPlan{};
   const int64_t rows = std::min<int64_t>(fit, height);
   const int64_t span = cuda::ceil_div(height * (grid - 1), 2 * pooled_height * grid) + 2;
   const int64_t overlap = rows >= height ? 0 : std::clamp<int64_t>(span - 1, 1, rows * 3 / 8);
-  p.stride = static_cast<int>(stride);
-  p.core = static_cast<int>(rows - overlap);
-  p.overlap = static_cast<int>(overlap);
-  p.bands = static_cast<int>(cuda::ceil_div(height, rows - overlap));
-  p.smem_bytes = rows * stride * kRotatedPixelBytes;
+  BandPlan p = rotated_bands(height, stride, rows - overlap, overlap);
   p.ok = batch * p.bands < (int64_t{1} << 30);
   return p;
 }
@@ -976,11 +991,9 @@ BandPlan rotated_plan(int64_t batch, int64_t height, int64_t width, int64_t pool
 // bin_rows * bands entries. Not ok where the bands would hold fewer than 16 rows, a map has
 // more than 255 bands, or the lists would overflow int32.
 BandPlan sliced_plan(int64_t batch, int64_t channels, int64_t height, int64_t width, int64_t bin_rows) {
-  BandPlan p;
-  if (height <= 0 || width <= 0 || width > (1 << 20)) return p;
-  const int64_t stride = width + (6 - width % 4) % 4;
-  const int64_t fit = plane_band::band_budget(1 << 30, 0) / (stride * kRotatedPixelBytes);
-  if (fit < 16) return p;
+  int64_t stride = 0;
+  const int64_t fit = height > 0 ? rotated_rows(width, stride) : 0;
+  if (fit == 0) return BandPlan{};
   // The fewest bands that fit, or up to three more where the blocks then fill the GPU's last
   // wave better: a block's time taken as proportional to its rows, the kernel's to the waves
   // times the rows of a band.
@@ -999,14 +1012,8 @@ BandPlan sliced_plan(int64_t batch, int64_t channels, int64_t height, int64_t wi
       bands = n;
     }
   }
-  const int64_t core = cuda::ceil_div(height, bands);
-  bands = cuda::ceil_div(height, core);
-  p.stride = static_cast<int>(stride);
-  p.core = static_cast<int>(core);
-  p.overlap = 0;
-  p.bands = static_cast<int>(bands);
-  p.smem_bytes = core * stride * kRotatedPixelBytes;
-  p.ok = bands <= 255 && batch * bands < (int64_t{1} << 30) && bin_rows * bands < (int64_t{1} << 31) - 1;
+  BandPlan p = rotated_bands(height, stride, cuda::ceil_div(height, bands), 0);
+  p.ok = p.bands <= 255 && batch * p.bands < (int64_t{1} << 30) && bin_rows * p.bands < (int64_t{1} << 31) - 1;
   return p;
 }
 
