@@ -523,11 +523,13 @@ def test_cuda_invalid_batch_index_asserts(kernel):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel", ["gather", "band"])
-def test_cuda_invalid_batch_index_asserts_backward(kernel):
-    # the band backward, like the forward, checks batch indices in its setup kernel
-    grad = "torch.ones(51, 3, 7, 7, device='cuda')"
-    call = f"torch.ops.detops._roi_align_backward({grad}, rois, 1.0, 7, 7, 2, 3, 40, 40, 2, True)"
+def test_cuda_invalid_batch_index_asserts_backward(kernel, dtype):
+    # the band backward, like the forward, checks batch indices in its setup kernel, in the
+    # forward's bands (float32 here) and in bands without overlap (16-bit gradients)
+    grad = f"torch.ones(51, 3, 7, 7, device='cuda', dtype=torch.{dtype})"
+    call = f"torch.ops.detops._roi_align_backward({grad}, rois.to(torch.{dtype}), 1.0, 7, 7, 2, 3, 40, 40, 2, True)"
     out = assert_fails_device_assert(invalid_batch_index_code(kernel, call))
     assert "detops._roi_align_backward: rois[:, 0]" in out, out
 
