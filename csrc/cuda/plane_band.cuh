@@ -326,9 +326,8 @@ __device__ __forceinline__ int32_t run_max(int32_t v, const KeyRun& run, int lan
 // rows[offsets[key] .. offsets[key + 1]), each listed as in group_by_owner_kernel. counts:
 // num_keys + 1 ints of scratch, used only when the counts do not fit in shared memory. Launch
 // with kGroupThreads threads, through group_by_owner.
-// spans (or null: 1 each): item i is listed under keys[i], keys[i] + 1, .. keys[i] + spans[i]
-// - 1 (the consecutive bands a bin row's sample rows touch), so rows holds up to the sum of
-// the spans.
+// spans (or null: one each): item i is listed under the spans[i] consecutive keys from keys[i]
+// on (the bands a bin row's sample rows touch), so rows holds the sum of the spans.
 constexpr int kGroupSharedKeys = 4096;
 
 template <typename index_t>
@@ -347,7 +346,7 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_unordered_kernel
     for (int s = 0; s < span; ++s) atomicAdd(&cnt[key + s], index_t(1));
   }
   __syncthreads();
-  // offsets: the exclusive scan of the counts (offsets[num_keys] = total); each count becomes
+  // offsets: the exclusive scan of the counts (offsets[num_keys]: all entries); each count becomes
   // the next free slot of its owner
   block_exclusive_scan<index_t>(
       static_cast<int64_t>(num_keys) + 1, [&](int64_t i) { return i < num_keys ? cnt[i] : index_t(0); },
