@@ -725,8 +725,8 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
 }
 
 // Backward into float32 bands of eight interleaved channel planes, the forward's rotated
-// layout, for gradients of float32 or of a 16-bit type (read as float32: the band, the sums
-// and grad_input are float32 in every case): two lanes take a bin, one per half of its eight
+// layout, for gradients of float32 or of a 16-bit type (read as float32: the band and the sums
+// are float32 in every case): two lanes take a bin, one per half of its eight
 // channels, and add its samples' pixels in the cyclic order that puts the four bins of a load
 // phase on four different 32-byte slots. A lane's four channels of one pixel are four adds;
 // the s-th goes to channel (s + p) mod 4 of its half, p the lane's phase in the warp, so that
