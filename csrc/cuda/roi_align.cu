@@ -51,8 +51,7 @@ bool roi_align_backward_deterministic_staged(
 // roi_align_band.cu: dense RoIs on NCHW maps through shared-memory plane bands; false for
 // inputs the band kernels do not take (or roi_kernel() rules out). rois contiguous, in the
 // dtype of input (of grad), read in the accumulation type by the setup kernel (16-bit RoIs need
-// no conversion pass); the backward's grad_input is the accumulation-type buffer, written
-// whole. Both check the batch indices themselves (the same device assertion as
+// no conversion pass). Both check the batch indices themselves (the same device assertion as
 // check_batch_indices_async).
 bool roi_align_forward_band(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
