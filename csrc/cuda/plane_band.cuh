@@ -151,6 +151,24 @@ __device__ __forceinline__ void stage_rows(
   }
 }
 
+// Walks items e * pw_n + pw of a block's list, blockDim.x apart, without a division per item.
+struct ListWalk {
+  int e, pw, step_e, step_pw;
+  __device__ __forceinline__ explicit ListWalk(int pw_n)
+      : ListWalk(pw_n, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)) {}
+  // Items first, first + step, ... (the walkers of a block take first = 0 .. step - 1).
+  __device__ __forceinline__ ListWalk(int pw_n, int first, int step)
+      : e(first / pw_n), pw(first - e * pw_n), step_e(step / pw_n), step_pw(step - step_e * pw_n) {}
+  __device__ __forceinline__ void next(int pw_n) {
+    e += step_e;
+    pw += step_pw;
+    if (pw >= pw_n) {
+      pw -= pw_n;
+      ++e;
+    }
+  }
+};
+
 // Whether staged row r of band `bi` is also staged by a neighbouring band: such rows are
 // zeroed beforehand (zero_shared_rows) and added to with atomics, every other row is stored.
 __device__ __forceinline__ bool shared_row(const BandPlan& plan, int bi, int r) {

@@ -69,6 +69,7 @@ namespace {
 
 using plane_band::BandPlan;
 using plane_band::BandRows;
+using plane_band::ListWalk;
 using roi_align::RoIBins;
 using roi_align_cuda::axis_tap;
 using roi_align_cuda::bins_of;
@@ -221,24 +222,6 @@ __device__ __forceinline__ bool rows_in_window(const BandTap<acc_t> (&ty)[G], in
   for (int q = 0; q < G; ++q) in = in && (!ty[q].valid() || ty[q].hi(height) < window.last);
   return in;
 }
-
-// Walks items e * pw_n + pw of a block's list, blockDim.x apart, without a division per item.
-struct ListWalk {
-  int e, pw, step_e, step_pw;
-  __device__ __forceinline__ explicit ListWalk(int pw_n)
-      : ListWalk(pw_n, static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x)) {}
-  // Items first, first + step, ... (the walkers of a block take first = 0 .. step - 1).
-  __device__ __forceinline__ ListWalk(int pw_n, int first, int step)
-      : e(first / pw_n), pw(first - e * pw_n), step_e(step / pw_n), step_pw(step - step_e * pw_n) {}
-  __device__ __forceinline__ void next(int pw_n) {
-    e += step_e;
-    pw += step_pw;
-    if (pw >= pw_n) {
-      pw -= pw_n;
-      ++e;
-    }
-  }
-};
 
 // A band kernel's block: its band and image, where its bin rows lie in the grouped list, and
 // its group of channels.
