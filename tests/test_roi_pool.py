@@ -744,15 +744,16 @@ def test_cuda_band_kernels_match_cpu(case, dtype):
 
 
 @pytest.mark.cuda
-def test_cuda_band_backward_adds_any_argmax():
-    # the backward op takes any argmax in [-1, H * W): pixels far from a bin's rows (outside
-    # its block's window) are added too. Out-of-range values, which the CPU kernel rejects,
-    # add nothing on CUDA (checking them would need a host sync).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_band_backward_adds_any_argmax(dtype):
+    # the backward op takes any argmax in [-1, H * W): pixels outside the bands of a bin's rows
+    # are added too (after the bands, with atomics in grad's dtype). Out-of-range values, which
+    # the CPU kernel rejects, add nothing on CUDA (checking them would need a host sync).
     from detops.ops._utils import roi_kernel
 
     b, c, h, w = 2, 3, 100, 600
-    rois = dense_rois(b, 300, h, w, 2, 60, 1.0, seed=2).float()
-    g = _integer_grad((300, c, 7, 7), torch.float32, seed=3)
+    rois = dense_rois(b, 300, h, w, 2, 60, 1.0, seed=2).to(dtype)
+    g = _integer_grad((300, c, 7, 7), dtype, seed=3)
     gen = torch.Generator().manual_seed(4)
     arg = torch.randint(-1, h * w, (300, c, 7, 7), generator=gen, dtype=torch.int32)
     want = op_bwd(g, rois, arg, 1.0, 7, 7, b, c, h, w)

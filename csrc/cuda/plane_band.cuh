@@ -10,9 +10,12 @@
 // pixels in shared memory. A bin row reaching past the staged window reads those pixels from
 // global memory instead (same values, same arithmetic), so results never depend on the plan.
 //
-// Backward kernels accumulate a band in shared memory and write it out once: rows that only
-// one band stages are stored, rows two bands stage (shared_row) are zeroed beforehand
-// (zero_shared_rows) and added with global atomics.
+// Backward kernels accumulate a band in shared memory and write it out once. In overlapping
+// bands, rows that only one band stages are stored, rows two bands stage (shared_row) are
+// zeroed beforehand (zero_shared_rows) and added with global atomics. In bands without overlap
+// (overlap 0: roi_pool's backward, roi_align's where sliced_plan takes it), a bin row is listed
+// under every band its rows touch (group_by_owner's spans) and each band stores only its own
+// rows.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -345,14 +349,18 @@ __device__ __forceinline__ int32_t run_max(int32_t v, const KeyRun& run, int lan
 // num_keys + 1 ints of scratch, used only when the counts do not fit in shared memory. Launch
 // with kGroupThreads threads, through group_by_owner.
 // spans (or null: one each): item i is listed under the spans[i] consecutive keys from keys[i]
-// on (the bands a bin row's sample rows touch), so rows holds the sum of the spans.
+// on (the bands a bin row's sample rows touch), so rows holds the sum of the spans. With
+// mark_ends, an entry also tells whether the item is listed under the key before this one
+// (kListedBefore) and the key after it (kListedAfter); listed rows must then be below 2^30.
 constexpr int kGroupSharedKeys = 4096;
+constexpr int32_t kListedBefore = int32_t{1} << 30;
+constexpr int32_t kListedAfter = std::numeric_limits<int32_t>::min();  // bit 31
 
 template <typename index_t>
 __global__ void __launch_bounds__(kGroupThreads) group_by_owner_unordered_kernel(
     const index_t* __restrict__ keys, index_t total, index_t num_keys, index_t* __restrict__ counts,
     index_t* __restrict__ offsets, index_t* __restrict__ rows, index_t row_div = 0,
-    const uint8_t* __restrict__ spans = nullptr) {
+    const uint8_t* __restrict__ spans = nullptr, bool mark_ends = false) {
   let_dependents_start();  // a band kernel launched early stages its first band meanwhile
   __shared__ index_t local[kGroupSharedKeys];
   index_t* cnt = num_keys < kGroupSharedKeys ? local : counts;
@@ -375,7 +383,11 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_unordered_kernel
   for (index_t i = threadIdx.x; i < total; i += blockDim.x) {
     const index_t key = keys[i], listed = listed_row(i, row_div);
     const int span = spans != nullptr ? spans[i] : 1;
-    for (int s = 0; s < span; ++s) rows[atomicAdd(&cnt[key + s], index_t(1))] = listed;
+    for (int s = 0; s < span; ++s) {
+      const index_t marks = !mark_ends ? index_t(0)
+                                       : static_cast<index_t>((s > 0 ? kListedBefore : 0) | (s + 1 < span ? kListedAfter : 0));
+      rows[atomicAdd(&cnt[key + s], index_t(1))] = listed | marks;
+    }
   }
 }
 
@@ -471,16 +483,18 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
 // for kernels whose results do not depend on the order of their work; faster, and with many
 // keys much faster). counts: num_keys + 1 ints of scratch, used only when the counts do not fit
 // in shared memory.
-// spans (not in order only): as in group_by_owner_unordered_kernel.
+// spans, mark_ends (not in order only): as in group_by_owner_unordered_kernel.
 template <typename index_t>
 void group_by_owner(
     const index_t* keys, int64_t total, int64_t num_keys, index_t* counts, index_t* offsets,
-    index_t* rows, int row_div, bool in_order, cudaStream_t stream, const uint8_t* spans = nullptr) {
-  TORCH_INTERNAL_ASSERT(!in_order || spans == nullptr, "group_by_owner: spans are grouped in no order");
+    index_t* rows, int row_div, bool in_order, cudaStream_t stream, const uint8_t* spans = nullptr,
+    bool mark_ends = false) {
+  TORCH_INTERNAL_ASSERT(!in_order || (spans == nullptr && !mark_ends), "group_by_owner: spans are grouped in no order");
+  TORCH_INTERNAL_ASSERT(!mark_ends || sizeof(index_t) == 4, "group_by_owner: marks are bits 30 and 31 of int32 entries");
   if (!in_order) {
     group_by_owner_unordered_kernel<index_t><<<1, kGroupThreads, 0, stream>>>(
         keys, static_cast<index_t>(total), static_cast<index_t>(num_keys), counts, offsets, rows,
-        static_cast<index_t>(row_div), spans);
+        static_cast<index_t>(row_div), spans, mark_ends);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }

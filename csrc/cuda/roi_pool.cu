@@ -62,8 +62,8 @@ bool roi_pool_forward_tile(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, at::Tensor& output, at::Tensor& argmax);
 // roi_pool_band.cu: the backward of dense RoIs on NCHW maps through shared-memory plane
-// bands: grad_input in the accumulation type, or an undefined tensor when the band kernels do
-// not take the inputs.
+// bands: grad_input in grad's dtype, or an undefined tensor when the band kernels do not take
+// the inputs.
 at::Tensor roi_pool_backward_band(
     const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
     double spatial_scale, int64_t pooled_height, int64_t pooled_width, int64_t batch,
@@ -461,7 +461,7 @@ at::Tensor roi_pool_backward_cuda(
     const at::Tensor band = roi_pool_backward_band(
         grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size, channels,
         height, width);
-    if (band.defined()) return band.to(grad.scalar_type());
+    if (band.defined()) return band;
   }
   at::Tensor grad_input = wide_acc
       ? at::empty({batch_size, channels, height, width}, grad.options())
