@@ -47,7 +47,7 @@ constexpr int kPoolBandThreads = 512;
 constexpr int64_t kPoolBandBudget = 64 * 1024;  // bytes of a band
 // List entries a block holds in shared memory beside its band (a longer list is read from
 // global memory): 8192, two blocks an SM; for 16-bit gradients 2048, three blocks an SM, which
-// measured 11-14% faster for them and 7-12% slower for float32 ones (BENCHMARKS.md, "roi_pool
+// measured 11-15% faster for them and 4-15% slower for float32 ones (BENCHMARKS.md, "roi_pool
 // band backward in bands without overlap").
 template <typename scalar_t>
 constexpr int kRowCapacity = sizeof(scalar_t) == 2 ? 2048 : 8192;
