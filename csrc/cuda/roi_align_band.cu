@@ -1279,7 +1279,7 @@ bool roi_align_backward_band(
         g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.keys(), s.tall, rois.size(0), s.shape,
         static_cast<int>(sampling_ratio), count, s.plan, acc.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    grad_input = acc.scalar_type() == grad.scalar_type() ? acc : acc.to(grad.scalar_type());
+    grad_input = acc.to(grad.scalar_type());  // acc itself where grad is float32 or float64
   });
   return true;
 }
