@@ -9,6 +9,8 @@
     python -m benchmarks.profile_roi --deterministic --sizes 7,14
     # roi_pool's backward alone: GPU time per queued call, a lone call, its kernels
     python -m benchmarks.profile_roi --pool-backward --dtypes fp32,fp16,bf16 --sizes 7,14
+    # roi_pool's forward with argmax (the op) and without (roi_pool when no gradient is needed)
+    python -m benchmarks.profile_roi --pool-forward --dtypes fp32,fp16,bf16 --sizes 7,14
     ncu --clock-control none -k regex:'band|roi_pool|roi_align' \
         --section SpeedOfLight --section Occupancy python -m benchmarks.profile_roi --once
     # the band forward kernel per dtype and output size, one call each:
@@ -204,6 +206,49 @@ def deterministic_times(sizes=(7, 14), runs=50):
             )
 
 
+def _kernel_times(fn, calls=10):
+    """The CUDA kernels of fn() and their mean time per call, in µs (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / calls
+    return sorted(kernels.items(), key=lambda kv: -kv[1])
+
+
+def pool_forward_times(dtypes=("fp32", "fp16", "bf16"), sizes=(7, 14)):
+    """roi_pool's forward on the benchmark inputs, per dtype and output size: the op with argmax
+    (torch.ops.detops.roi_pool, what an input that needs a gradient runs), detops.ops.roi_pool on
+    an input that needs none (no argmax), and torchvision's: the GPU time per call queued behind
+    a sleep (queued_times), one call timed alone, and the kernels of a call."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 256, 200, 304, device="cuda")
+    rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
+    for dname in dtypes:
+        xd, rd = x.to(DTYPES[dname]), rois.to(DTYPES[dname])
+        for size in sizes:
+            variants = {
+                "with argmax": lambda: torch.ops.detops.roi_pool(xd, rd, 0.25, size, size),
+                "without argmax": lambda: detops.ops.roi_pool(xd, rd, size, 0.25),
+            }
+            if dname != "bf16":  # torchvision's roi_pool has no bfloat16 kernel
+                variants["torchvision"] = lambda: torchvision.ops.roi_pool(xd, rd, size, 0.25)
+            for name, fn in variants.items():
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                _, queued = queued_times(fn, calls=20, rounds=9)
+                alone = median_ms(fn, "cuda", runs=50) * 1e3
+                print(f"| roi_pool fwd {name}, {dname}, {size}x{size} | queued {queued:.1f} µs | alone {alone:.1f} µs |",
+                      flush=True)
+                if name != "torchvision":
+                    for kname, t in _kernel_times(fn):
+                        print(f"|   {kname[:90]} | {t:.1f} µs |")
+
+
 def pool_backward_times(dtypes=("fp32", "fp16", "bf16"), sizes=(7, 14)):
     """roi_pool's backward op alone on the benchmark inputs (the argmax of its forward), per
     dtype and output size: the GPU time per call queued behind a sleep (queued_times), one call
@@ -223,16 +268,8 @@ def pool_backward_times(dtypes=("fp32", "fp16", "bf16"), sizes=(7, 14)):
             torch.cuda.synchronize()
             _, queued = queued_times(backward, calls=20, rounds=9)
             alone = median_ms(backward, "cuda", runs=50) * 1e3
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    backward()
-                torch.cuda.synchronize()
-            kernels = {}
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 10
             print(f"| roi_pool backward, {dname}, {size}x{size} | queued {queued:.1f} µs | alone {alone:.1f} µs |", flush=True)
-            for name, t in sorted(kernels.items(), key=lambda kv: -kv[1]):
+            for name, t in _kernel_times(backward):
                 print(f"|   {name[:90]} | {t:.1f} µs |")
 
 
@@ -242,11 +279,12 @@ def main():
     p.add_argument("--host", action="store_true", help="host issue time and event time per forward and forward+backward call")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--only-forward", action="store_true", help="only roi_align forward (band kernel) per dtype and size")
-    p.add_argument("--dtypes", default="fp32", help="with --only-forward, --graph, --host or --pool-backward: fp32,bf16,fp16")
-    p.add_argument("--sizes", default="7", help="with --only-forward, --graph, --deterministic or --pool-backward: output sizes, e.g. 7,14")
+    p.add_argument("--dtypes", default="fp32", help="with --only-forward, --graph, --host, --pool-backward or --pool-forward: fp32,bf16,fp16")
+    p.add_argument("--sizes", default="7", help="with --only-forward, --graph, --deterministic, --pool-backward or --pool-forward: output sizes, e.g. 7,14")
     p.add_argument("--graph", action="store_true", help="forward per call: alone, back to back, CUDA graph replay")
     p.add_argument("--deterministic", action="store_true", help="backward and forward+backward, atomic and deterministic")
     p.add_argument("--pool-backward", action="store_true", help="roi_pool's backward alone per dtype and size, and its kernels")
+    p.add_argument("--pool-forward", action="store_true", help="roi_pool's forward with and without argmax, and torchvision's")
     a = p.parse_args()
     if a.host:
         host_overhead(dtypes=tuple(a.dtypes.split(",")))
@@ -259,6 +297,9 @@ def main():
         return
     if a.pool_backward:
         pool_backward_times(tuple(a.dtypes.split(",")), tuple(int(v) for v in a.sizes.split(",")))
+        return
+    if a.pool_forward:
+        pool_forward_times(tuple(a.dtypes.split(",")), tuple(int(v) for v in a.sizes.split(",")))
         return
     sizes = tuple(int(v) for v in a.sizes.split(","))
     for name, (kernel, fn) in cases(a.only_forward, tuple(a.dtypes.split(",")), sizes).items():

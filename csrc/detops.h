@@ -47,6 +47,13 @@ std::tuple<at::Tensor, at::Tensor> roi_pool(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width);
 
+// roi_pool's output alone: the same values, without computing or storing argmax when no
+// gradient is needed (grad mode off, or input not requiring grad); otherwise roi_pool's output,
+// differentiable as roi_pool's.
+at::Tensor roi_pool_values(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width);
+
 // Gradient of roi_pool with respect to its input, [batch_size, channels, height, width].
 at::Tensor roi_pool_backward(
     const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,

@@ -41,6 +41,9 @@ TORCH_LIBRARY(detops, m) {
       "roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
       "SymInt pooled_width) -> (Tensor, Tensor)");
   m.def(
+      "_roi_pool_values(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+      "SymInt pooled_width) -> Tensor");
+  m.def(
       "_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, "
       "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, "
       "SymInt height, SymInt width) -> Tensor");
@@ -64,7 +67,7 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/)
 
 TORCH_LIBRARY_IMPL(detops, CUDA, m) {
   for (const char* name : {"nms", "batched_nms", "nms_padded", "roi_align", "_roi_align_backward", "roi_pool",
-                           "_roi_pool_backward"}) {
+                           "_roi_pool_values", "_roi_pool_backward"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   }
 }
@@ -132,6 +135,14 @@ std::tuple<at::Tensor, at::Tensor> roi_pool(
       const at::Tensor&, const at::Tensor&, double, c10::SymInt, c10::SymInt)>("detops::roi_pool");
   return op.call(
       input, rois, spatial_scale, c10::SymInt(pooled_height), c10::SymInt(pooled_width));
+}
+
+at::Tensor roi_pool_values(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width) {
+  static auto op = op_handle<at::Tensor(
+      const at::Tensor&, const at::Tensor&, double, c10::SymInt, c10::SymInt)>("detops::_roi_pool_values");
+  return op.call(input, rois, spatial_scale, c10::SymInt(pooled_height), c10::SymInt(pooled_width));
 }
 
 at::Tensor roi_pool_backward(

@@ -11,7 +11,8 @@ from detops import _extension
 
 def test_import_loads_torch_and_ops():
     assert detops._C.torch_version().split(".")[:2] == torch.__version__.split("+")[0].split(".")[:2]
-    for name in ["nms", "batched_nms", "roi_align", "_roi_align_backward", "roi_pool", "_roi_pool_backward"]:
+    for name in ["nms", "batched_nms", "roi_align", "_roi_align_backward", "roi_pool", "_roi_pool_values",
+                 "_roi_pool_backward"]:
         assert hasattr(torch.ops.detops, name)
         for key in ("CPU", "CUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"detops::{name}", key), (name, key)

@@ -44,10 +44,11 @@ CHECK = textwrap.dedent(
         "with_cuda": C.with_cuda(),
         "functions": sorted(n for n in dir(C) if not n.startswith("_")),
         "ops": sorted(n for n in ["nms", "batched_nms", "roi_align", "_roi_align_backward", "roi_pool",
-                                  "_roi_pool_backward"] if hasattr(torch.ops.detops, n)),
+                                  "_roi_pool_values", "_roi_pool_backward"] if hasattr(torch.ops.detops, n)),
         "nms": detops.ops.nms(boxes, scores, 0.5).tolist(),
         "c_nms": C.nms(boxes, scores, 0.5).tolist(),
         "roi_pool": out.flatten().tolist(),
+        "roi_pool_values": detops.ops.roi_pool(x, rois, 2, 1.0).flatten().tolist(),
         "roi_align": detops.ops.roi_align(x, rois, 2, 1.0, 2, True).flatten().tolist(),
         "roi_align_grad": xg.grad.flatten().tolist(),
         "warnings": [str(w.message) for w in caught],
@@ -124,9 +125,10 @@ def test_jit_module_matches_the_prebuilt_extension(jit_build):
     assert isinstance(got["with_cuda"], bool)
     prebuilt = sorted(n for n in dir(detops._C) if not n.startswith("_"))
     assert set(prebuilt) <= set(got["functions"]), set(prebuilt) - set(got["functions"])
-    assert got["ops"] == sorted(["nms", "batched_nms", "roi_align", "_roi_align_backward", "roi_pool", "_roi_pool_backward"])
+    assert got["ops"] == sorted(
+        ["nms", "batched_nms", "roi_align", "_roi_align_backward", "roi_pool", "_roi_pool_values", "_roi_pool_backward"])
     assert got["nms"] == got["c_nms"] == [0, 2]
-    assert got["roi_pool"] == [5.0, 7.0, 13.0, 15.0]
+    assert got["roi_pool"] == got["roi_pool_values"] == [5.0, 7.0, 13.0, 15.0]
     x = torch.arange(16, dtype=torch.float32).view(1, 1, 4, 4)
     want = detops.ops.roi_align(x, torch.tensor([[0, 0, 0, 3, 3]], dtype=torch.float32), 2, 1.0, 2, True)
     assert torch.allclose(torch.tensor(got["roi_align"]), want.flatten())

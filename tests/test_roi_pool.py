@@ -22,6 +22,12 @@ from tests.conftest import (
 
 op = torch.ops.detops.roi_pool
 op_bwd = torch.ops.detops._roi_pool_backward
+op_values = torch.ops.detops._roi_pool_values  # roi_pool's output without argmax
+
+
+def bits(t):
+    """t's bits as integers of the same size: equal bits, zero signs included."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def random_rois(k, batch, height, width, scale, seed=0, dtype=torch.float32):
@@ -209,6 +215,68 @@ def test_ties_signed_zeros_and_nan_match_torchvision():
     assert torch.equal(arg, fb.int())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+def test_values_op_matches_roi_pool(dtype, layout):
+    """_roi_pool_values (the output without argmax) gives roi_pool's output bits: ties, -0 / +0,
+    NaN, -inf and -FLT_MAX, bins of NaN only, empty bins and RoIs off the map, 1 and 3 threads."""
+    x = tie_input((2, 11, 12, 10), seed=20).to(dtype)
+    x[:, :, :3, :3] = float("nan")
+    x = {"contiguous": x, "channels_last": x.contiguous(memory_format=torch.channels_last),
+         "strided": x.transpose(2, 3).contiguous().transpose(2, 3)}[layout]
+    rois = random_rois(30, 2, 12, 10, 1.0, seed=21).to(dtype)
+    for size in [(4, 3), (1, 1), (7, 7)]:
+        want = op(x, rois, 1.0, *size)[0]
+        for n in (1, 3):
+            got = with_threads(n, lambda: op_values(x, rois, 1.0, *size))
+            assert got.dtype == dtype and got.shape == want.shape
+            assert torch.equal(bits(got), bits(want)), (size, n)
+    assert op_values(x, rois[:0], 1.0, 2, 2).shape == (0, 11, 2, 2)
+
+
+def _ops_dispatched(fn):
+    """Names of the detops ops that fn() runs below autograd (a TorchDispatchMode sees them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "detops":
+                names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return names
+
+
+def test_roi_pool_skips_argmax_without_gradient():
+    """roi_pool runs the op with argmax only when input needs a gradient: an input that does
+    not require grad, or grad mode off, takes _roi_pool_values (no argmax computed or kept)."""
+    x = distinct_input((2, 3, 9, 10))
+    rois = random_rois(10, 2, 9, 10, 0.5, seed=5)
+    want = op(x, rois, 0.5, 3, 2)[0]
+    out = []
+    assert _ops_dispatched(lambda: out.append(roi_pool(x, rois, (3, 2), 0.5))) == ["detops::_roi_pool_values"]
+    xg = x.clone().requires_grad_()
+    with torch.no_grad():
+        assert _ops_dispatched(lambda: out.append(roi_pool(xg, rois, (3, 2), 0.5))) == ["detops::_roi_pool_values"]
+    assert _ops_dispatched(lambda: out.append(roi_pool(xg, rois, (3, 2), 0.5))) == ["detops::roi_pool"]
+    assert _ops_dispatched(lambda: out.append(RoIPool((3, 2), 0.5)(x, rois))) == ["detops::_roi_pool_values"]
+    for o in out:
+        assert torch.equal(bits(o.detach()), bits(want))
+    assert not out[0].requires_grad and not out[1].requires_grad and out[2].requires_grad
+    g = torch.randn_like(want)
+    out[2].backward(g)
+    torch.testing.assert_close(xg.grad, ref.roi_pool_backward(g, rois, op(x, rois, 0.5, 3, 2)[1], 2, 3, 9, 10))
+    # the values op itself is differentiable the same way (its C++ autograd runs roi_pool)
+    xv = x.clone().requires_grad_()
+    assert _ops_dispatched(lambda: op_values(xv, rois, 0.5, 3, 2).backward(g)) == [
+        "detops::roi_pool", "detops::_roi_pool_backward"]
+    assert torch.equal(xv.grad, xg.grad)
+
+
 CPU_VECTORS = ["auto", "sse2", "scalar"]
 
 
@@ -317,6 +385,8 @@ def test_opcheck():
     x = distinct_input((2, 3, 9, 10), dtype=torch.float64).requires_grad_()
     rois = random_rois(10, 2, 9, 10, 0.5, seed=5, dtype=torch.float64)
     torch.library.opcheck(op, (x, rois, 0.5, 3, 2))
+    torch.library.opcheck(op_values, (x, rois, 0.5, 3, 2))
+    torch.library.opcheck(op_values, (x.detach(), rois, 0.5, 3, 2))
     _, arg = op(x.detach(), rois, 0.5, 3, 2)
     g = torch.randn(10, 3, 3, 2, dtype=torch.float64)
     torch.library.opcheck(op_bwd, (g, rois, arg, 0.5, 3, 2, 2, 3, 9, 10))
@@ -351,6 +421,8 @@ def test_compile_fullgraph():
     x2 = x.clone().requires_grad_()
     f(x2, rois).backward()
     assert torch.equal(x1.grad, x2.grad)
+    with torch.no_grad():  # inference: the values op, through its fake kernel
+        assert torch.equal(compiled(x1, rois), f(x2, rois))
 
 
 def test_autocast_cpu():
@@ -392,8 +464,12 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize("values", [False, True])
 @pytest.mark.parametrize("fn,msg", BAD)
-def test_bad_inputs(fn, msg):
+def test_bad_inputs(fn, msg, values, monkeypatch):
+    # values: the same calls through _roi_pool_values (the output without argmax)
+    if values:
+        monkeypatch.setitem(globals(), "op", lambda *a: (op_values(*a), None))
     x = torch.randn(2, 3, 8, 8)
     r = torch.tensor([[0.0, 0, 0, 4, 4], [1, 1, 1, 6, 6], [0, 2, 2, 3, 3]])
     with pytest.raises((RuntimeError, ValueError)) as e:
@@ -557,9 +633,10 @@ def _integer_grad(shape, dtype, seed=0):
 
 
 def _check_cuda_against_cpu(x, rois, scale, ph, pw, layouts=LAYOUTS, backward=True):
-    """Forward (values, argmax) and both backward variants on CUDA equal the CPU kernel, with
-    the gather kernels and with the shared-memory kernels (the tile forward, any layout; the
-    band backward)."""
+    """Forward (values, argmax), the forward without argmax (_roi_pool_values) and both
+    backward variants on CUDA equal the CPU kernel (output bits, zero signs included), with the
+    gather kernels and with the shared-memory kernels (the tile forward, any layout; the band
+    backward)."""
     from detops.ops._utils import roi_kernel
 
     out, arg = op(x, rois, scale, ph, pw)
@@ -571,8 +648,10 @@ def _check_cuda_against_cpu(x, rois, scale, ph, pw, layouts=LAYOUTS, backward=Tr
             for layout in layouts:
                 xc = _layout(x.cuda(), layout)
                 out_c, arg_c = op(xc, rois.cuda(), scale, ph, pw)
-                assert torch.equal(out_c.cpu(), out), (kernel, layout)
+                assert torch.equal(bits(out_c.cpu()), bits(out)), (kernel, layout)
                 assert torch.equal(arg_c.cpu(), arg), (kernel, layout)
+                values = op_values(xc, rois.cuda(), scale, ph, pw)  # without argmax
+                assert torch.equal(bits(values.cpu()), bits(out)), (kernel, layout)
             if not backward:
                 continue
             gi_c = op_bwd(g.cuda(), rois.cuda(), arg.cuda(), scale, ph, pw, b, c, h, w)

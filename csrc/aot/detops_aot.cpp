@@ -360,11 +360,15 @@ int DetopsRoIPoolForward(int nparam, void** params, int* ndims, int64_t** shapes
         }
 
         const std::vector<float> a = scalars(attrs, device);
-        auto result = detops::ops::roi_pool(
-            wrap(input, device), wrap(ps.get(1, "rois", 2), device), a[0], output.shape[2],
-            output.shape[3]);
-        copy_result(fn, wrap(output, device), std::get<0>(result));
-        if (ps.size() == 5) copy_result(fn, wrap(ps.get(4, "argmax", 4, at::kInt), device), std::get<1>(result));
+        const at::Tensor in = wrap(input, device), rois = wrap(ps.get(1, "rois", 2), device);
+        if (ps.size() == 5) {
+          auto result = detops::ops::roi_pool(in, rois, a[0], output.shape[2], output.shape[3]);
+          copy_result(fn, wrap(output, device), std::get<0>(result));
+          copy_result(fn, wrap(ps.get(4, "argmax", 4, at::kInt), device), std::get<1>(result));
+        } else {  // no argmax asked for: none computed
+          copy_result(
+              fn, wrap(output, device), detops::ops::roi_pool_values(in, rois, a[0], output.shape[2], output.shape[3]));
+        }
       },
       stream);
 }

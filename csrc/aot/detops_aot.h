@@ -42,7 +42,8 @@
  *   in   rois    float [K, 5]          same dtype as input
  *   in   attrs   float32 [1]           spatial_scale
  *   out  output  float [K, C, PH, PW]  max over each bin (0 for an empty bin)
- *   out  argmax  int32 [K, C, PH, PW]  (optional) flat h * W + w of each maximum, -1 if empty
+ *   out  argmax  int32 [K, C, PH, PW]  (optional) flat h * W + w of each maximum, -1 if empty;
+ *                                      without it no index is computed
  */
 #ifndef DETOPS_AOT_H_
 #define DETOPS_AOT_H_

@@ -1,6 +1,7 @@
 // Autograd of roi_align and roi_pool, registered on the ops themselves (the Autograd dispatch
 // key), in C++: a call that needs no gradient goes through without any Python, and C++ callers
-// of the dispatcher ops get gradients too. Each backward op has a node whose own backward
+// of the dispatcher ops get gradients too. _roi_pool_values (roi_pool's output alone) runs the
+// kernels without argmax when no gradient is needed, and roi_pool's Function otherwise. Each backward op has a node whose own backward
 // raises: there is no double backward.
 //
 // Under autocast the ops may run in float32 on casts of the arguments (autocast/*.cpp): the
@@ -30,6 +31,7 @@ using RoIAlignBackwardSig = at::Tensor(
     c10::SymInt, int64_t, bool);
 using RoIPoolSig =
     std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double, c10::SymInt, c10::SymInt);
+using RoIPoolValuesSig = at::Tensor(const at::Tensor&, const at::Tensor&, double, c10::SymInt, c10::SymInt);
 using RoIPoolBackwardSig = at::Tensor(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, double, c10::SymInt, c10::SymInt, c10::SymInt,
     c10::SymInt, c10::SymInt, c10::SymInt);
@@ -45,6 +47,10 @@ const c10::TypedOperatorHandle<RoIAlignBackwardSig>& roi_align_backward_op() {
 }
 const c10::TypedOperatorHandle<RoIPoolSig>& roi_pool_op() {
   static const auto op = op_handle<RoIPoolSig>("detops::roi_pool");
+  return op;
+}
+const c10::TypedOperatorHandle<RoIPoolValuesSig>& roi_pool_values_op() {
+  static const auto op = op_handle<RoIPoolValuesSig>("detops::_roi_pool_values");
   return op;
 }
 const c10::TypedOperatorHandle<RoIPoolBackwardSig>& roi_pool_backward_op() {
@@ -188,6 +194,18 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_autograd(
   return {out[0], out[1]};
 }
 
+// roi_pool's output alone. An input that needs a gradient goes through roi_pool's Function
+// (argmax computed and saved for the backward); otherwise the kernels skip argmax altogether.
+at::Tensor roi_pool_values_autograd(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, c10::SymInt pooled_height,
+    c10::SymInt pooled_width) {
+  if (at::GradMode::is_enabled() && input.requires_grad()) {
+    return RoIPoolFunction::apply(input, rois, spatial_scale, std::move(pooled_height), std::move(pooled_width))[0];
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return roi_pool_values_op().call(input, rois, spatial_scale, std::move(pooled_height), std::move(pooled_width));
+}
+
 at::Tensor roi_pool_backward_autograd(
     const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax, double spatial_scale,
     c10::SymInt pooled_height, c10::SymInt pooled_width, c10::SymInt batch_size, c10::SymInt channels,
@@ -203,6 +221,7 @@ TORCH_LIBRARY_IMPL(detops, Autograd, m) {
   m.impl("roi_align", TORCH_FN(roi_align_autograd));
   m.impl("_roi_align_backward", TORCH_FN(roi_align_backward_autograd));
   m.impl("roi_pool", TORCH_FN(roi_pool_autograd));
+  m.impl("_roi_pool_values", TORCH_FN(roi_pool_values_autograd));
   m.impl("_roi_pool_backward", TORCH_FN(roi_pool_backward_autograd));
 }
 

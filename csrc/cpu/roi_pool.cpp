@@ -1,7 +1,7 @@
 // RoIPool (max) forward and backward on the CPU.
 //
 // Forward: one work item per (block of 8 channels, RoI); the RoI's bin windows are computed
-// once per item. The input is read through its strides, so contiguous, channels_last and other
+// once per item. _roi_pool_values runs the same code without storing argmax. The input is read through its strides, so contiguous, channels_last and other
 // strided inputs need no copy. Every path gives geometry::roi_pool_max's value bits and index
 // (row-major order, the first maximum wins, NaN never does):
 //   * float32 with contiguous rows (NCHW) or contiguous channels (channels_last) and at least
@@ -161,7 +161,7 @@ void pool_channels_scalar(
       if (h1 <= h0 || w1 <= w0) {
         for (int64_t c = 0; c < nc; ++c) {
           o[c * bins + j] = scalar_t(0);
-          a[c * bins + j] = -1;
+          if (a) a[c * bins + j] = -1;
         }
         continue;
       }
@@ -170,7 +170,7 @@ void pool_channels_scalar(
         const acc_t best = window_max<acc_t>(
             first_plane + c * s_c, s_h, s_w, width, h0, h1, w0, w1, best_idx);
         o[c * bins + j] = static_cast<scalar_t>(best);
-        a[c * bins + j] = static_cast<int32_t>(best_idx);
+        if (a) a[c * bins + j] = static_cast<int32_t>(best_idx);
       }
     }
   }
@@ -223,7 +223,7 @@ void roi_pool_forward_typed(
   const scalar_t* in = input.const_data_ptr<scalar_t>();
   const scalar_t* r = rois.const_data_ptr<scalar_t>();
   scalar_t* out = output.data_ptr<scalar_t>();
-  int32_t* arg = argmax.data_ptr<int32_t>();
+  int32_t* arg = argmax.defined() ? argmax.data_ptr<int32_t>() : nullptr;  // none: values alone
   const int64_t blocks = (channels + kChannelBlock - 1) / kChannelBlock;
   // The vector path needs whole blocks of channels (the last block is moved back to end on
   // the last channel) and, for rows, groups of 4 columns.
@@ -252,10 +252,10 @@ void roi_pool_forward_typed(
       const int64_t nc = std::min(kChannelBlock, channels - c0);
       const auto box = geometry::roi_pool_box_at(r, k, scale, batch, pooled_height, pooled_width);
       scalar_t* o = out + (k * channels + c0) * bins;
-      int32_t* a = arg + (k * channels + c0) * bins;
+      int32_t* a = arg ? arg + (k * channels + c0) * bins : nullptr;
       if (box.batch < 0) {  // only empty bins
         std::fill(o, o + nc * bins, scalar_t(0));
-        std::fill(a, a + nc * bins, -1);
+        if (a) std::fill(a, a + nc * bins, -1);
         continue;
       }
       win.set(box, height, width);
@@ -281,7 +281,7 @@ void roi_pool_forward_typed(
             const int64_t l = c0 - cb + c;
             for (int64_t j = 0; j < bins; ++j) {
               o[c * bins + j] = res[j * kChannelBlock + l];
-              a[c * bins + j] = res_idx[j * kChannelBlock + l];
+              if (a) a[c * bins + j] = res_idx[j * kChannelBlock + l];
             }
           }
           continue;
@@ -294,9 +294,10 @@ void roi_pool_forward_typed(
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(
+// The forward; with_argmax false: the values alone, argmax left undefined.
+std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu_impl(
     const at::Tensor& input, const at::Tensor& rois_in, double spatial_scale,
-    int64_t pooled_height, int64_t pooled_width) {
+    int64_t pooled_height, int64_t pooled_width, bool with_argmax) {
   checks::check_roi_pool_inputs(input, rois_in, spatial_scale, pooled_height, pooled_width);
   checks::check_device("detops.roi_pool", "input", input, at::kCPU);
   DETOPS_CHECK(
@@ -306,7 +307,8 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(
   const int64_t k = rois_in.size(0);
   at::Tensor output =
       cpu::empty_output({k, input.size(1), pooled_height, pooled_width}, input.options());
-  at::Tensor argmax = cpu::empty_output(output.sizes(), input.options().dtype(at::kInt));
+  at::Tensor argmax;
+  if (with_argmax) argmax = cpu::empty_output(output.sizes(), input.options().dtype(at::kInt));
   if (k == 0) return {output, argmax};
   const at::Tensor rois = rois_in.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -317,6 +319,18 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(
             input, rois, spatial_scale, pooled_height, pooled_width, output, argmax);
       });
   return {output, argmax};
+}
+
+std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width) {
+  return roi_pool_forward_cpu_impl(input, rois, spatial_scale, pooled_height, pooled_width, true);
+}
+
+at::Tensor roi_pool_values_cpu(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width) {
+  return std::get<0>(roi_pool_forward_cpu_impl(input, rois, spatial_scale, pooled_height, pooled_width, false));
 }
 
 template <typename scalar_t>
@@ -429,6 +443,7 @@ at::Tensor roi_pool_backward_cpu(
 
 TORCH_LIBRARY_IMPL(detops, CPU, m) {
   m.impl("roi_pool", TORCH_FN(roi_pool_forward_cpu));
+  m.impl("_roi_pool_values", TORCH_FN(roi_pool_values_cpu));
   m.impl("_roi_pool_backward", TORCH_FN(roi_pool_backward_cpu));
 }
 

@@ -18,6 +18,9 @@
 //     per channel; a load of one pixel reads 32 adjacent channels, and each lane runs the
 //     shared sequential scan (roi_pool_max) over each bin of the row.
 // The bin geometry is the one the CPU kernel uses (common/roi_pool_geometry.h).
+// _roi_pool_values (roi_pool's output when no gradient is needed) runs the same kernels without
+// argmax: the tile kernel then skips the second pass of most bins (roi_pool_tile.cu), and
+// nothing stores or transposes indices.
 //
 // Backward, two variants:
 //   * atomic (default): one thread per grad_output element adds it to the argmax pixel of
@@ -57,7 +60,7 @@ namespace ops {
 
 // roi_pool_tile.cu: the forward of dense RoIs through shared-memory tiles, a lane per channel
 // (it checks the batch indices itself); false for inputs it does not take (or roi_kernel()
-// rules out).
+// rules out). An undefined argmax: the values alone.
 bool roi_pool_forward_tile(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, at::Tensor& output, at::Tensor& argmax);
@@ -204,7 +207,7 @@ __global__ void __launch_bounds__(kThreads) roi_pool_forward_rows_kernel(
           const int64_t o =
               ((static_cast<int64_t>(k) * in.channels + c) * pooled_height + ph) * pooled_width + pw;
           output[o] = live ? static_cast<scalar_t>(best) : scalar_t(0);
-          argmax[o] = live ? best_i : -1;
+          if (argmax) argmax[o] = live ? best_i : -1;
         }
       }
     }
@@ -233,19 +236,19 @@ __global__ void __launch_bounds__(kThreads) roi_pool_forward_channels_kernel(
     const scalar_t* plane = input + (box.batch >= 0 ? box.batch * in.s_b + c * in.s_c : 0);
     const int64_t out_row = (static_cast<int64_t>(k) * in.channels + c) * pooled_height + ph;
     scalar_t* out = output + out_row * pooled_width;
-    int32_t* arg = argmax + out_row * pooled_width;
+    int32_t* arg = argmax ? argmax + out_row * pooled_width : nullptr;
     for (index_t pw = 0; pw < pooled_width; ++pw) {
       int64_t h0, h1, w0, w1;
       if (!roi_pool_bin(box, ph, pw, in.height, in.width, h0, h1, w0, w1)) {
         out[pw] = scalar_t(0);
-        arg[pw] = -1;
+        if (arg) arg[pw] = -1;
         continue;
       }
       int64_t best_i;
       const acc_t best =
           geometry::roi_pool_max<acc_t>(plane, in.s_h, in.s_w, in.width, h0, h1, w0, w1, best_i);
       out[pw] = static_cast<scalar_t>(best);
-      arg[pw] = static_cast<int32_t>(best_i);
+      if (arg) arg[pw] = static_cast<int32_t>(best_i);
     }
   }
 }
@@ -274,7 +277,7 @@ void launch_forward(
       static_cast<index_t>(items), input.const_data_ptr<scalar_t>(), in,
       rois.const_data_ptr<scalar_t>(), static_cast<index_t>(k), static_cast<acc_t>(spatial_scale),
       static_cast<index_t>(pooled_height), static_cast<index_t>(pooled_width),
-      output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>());
+      output.data_ptr<scalar_t>(), argmax.defined() ? argmax.data_ptr<int32_t>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -365,9 +368,11 @@ void launch_backward_atomic(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
+// The forward; with_argmax false: the values alone, argmax left undefined (nothing computes
+// or stores it).
+std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda_impl(
     const at::Tensor& input, const at::Tensor& rois_in, double spatial_scale,
-    int64_t pooled_height, int64_t pooled_width) {
+    int64_t pooled_height, int64_t pooled_width, bool with_argmax) {
   checks::check_roi_pool_inputs(input, rois_in, spatial_scale, pooled_height, pooled_width);
   checks::check_device("detops.roi_pool", "input", input, at::kCUDA);
   DETOPS_CHECK(
@@ -377,7 +382,8 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
   c10::cuda::CUDAGuard guard(input.device());
   const int64_t k = rois_in.size(0);
   at::Tensor output = at::empty({k, input.size(1), pooled_height, pooled_width}, input.options());
-  at::Tensor argmax = at::empty(output.sizes(), input.options().dtype(at::kInt));
+  at::Tensor argmax;
+  if (with_argmax) argmax = at::empty(output.sizes(), input.options().dtype(at::kInt));
   if (output.numel() == 0) return {output, argmax};
   const at::Tensor rois = rois_in.contiguous();
   if (roi_pool_forward_tile(input, rois, spatial_scale, pooled_height, pooled_width, output, argmax)) {
@@ -403,6 +409,18 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
         }
       });
   return {output, argmax};
+}
+
+std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width) {
+  return roi_pool_forward_cuda_impl(input, rois, spatial_scale, pooled_height, pooled_width, true);
+}
+
+at::Tensor roi_pool_values_cuda(
+    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
+    int64_t pooled_width) {
+  return std::get<0>(roi_pool_forward_cuda_impl(input, rois, spatial_scale, pooled_height, pooled_width, false));
 }
 
 template <typename scalar_t, typename key_t>
@@ -507,6 +525,7 @@ at::Tensor roi_pool_backward_cuda(
 
 TORCH_LIBRARY_IMPL(detops, CUDA, m) {
   m.impl("roi_pool", TORCH_FN(roi_pool_forward_cuda));
+  m.impl("_roi_pool_values", TORCH_FN(roi_pool_values_cuda));
   m.impl("_roi_pool_backward", TORCH_FN(roi_pool_backward_cuda));
 }
 

@@ -37,6 +37,9 @@
 //      in float32) are written in place.
 // The input is read through its strides: contiguous NCHW is staged a pixel at a time along
 // rows, channels_last a pixel's channels at a time, both as whole 32-byte sectors.
+// The values alone (_roi_pool_values, an undefined argmax): the first pass's maximum is the
+// result, so only bins whose maximum is zero take the second pass (the sign of the first
+// zero), and no index is stored or transposed.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -289,8 +292,9 @@ __device__ __forceinline__ void take_channel(
 // finds. Its value is read back from that pixel, so zeros keep their sign. No row raises
 // anything when every value is NaN or at most the lowest value: index -1, as the scan leaves.
 // The pixels of a row are taken 8 at a time and then R at a time, unrolled, so that every load
-// has a constant offset.
-template <int R, int V, typename acc_t, typename scalar_t>
+// has a constant offset. Without kArgmax (the values alone) the first pass's maximum is the
+// result, and only a maximum of zero takes the second pass, for the sign of the first zero.
+template <bool kArgmax, int R, int V, typename acc_t, typename scalar_t>
 __device__ __forceinline__ void scan_staged(
     const plane_band::Lanes<scalar_t, V>* __restrict__ p, int row_words, int rows, int chunks,
     int32_t idx, int width, acc_t (&best)[V], int32_t (&best_i)[V]) {
@@ -318,6 +322,13 @@ __device__ __forceinline__ void scan_staged(
 #pragma unroll
   for (int e = 0; e < V; ++e) {
     if (top[e] < 0) continue;
+    if constexpr (!kArgmax) {
+      const acc_t m = static_cast<acc_t>(run.v[e]);
+      if (m != acc_t(0)) {  // above the lowest value and not NaN: the scan's value, same bits
+        best[e] = m;
+        continue;
+      }
+    }
     const Word* q = p + top[e] * row_words;
     int32_t i = idx + top[e] * width;
 #pragma unroll 1
@@ -326,20 +337,20 @@ __device__ __forceinline__ void scan_staged(
   }
 }
 
-template <int V, typename acc_t, typename scalar_t>
+template <bool kArgmax, int V, typename acc_t, typename scalar_t>
 __device__ __forceinline__ void scan_staged_bin(
     const plane_band::Lanes<scalar_t, V>* __restrict__ p, int row_words, int rows, int cols, int32_t idx,
     int width, acc_t (&best)[V], int32_t (&best_i)[V]) {
   const int chunks = cols / 8;
   switch (cols % 8) {
-    case 0: scan_staged<0, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 1: scan_staged<1, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 2: scan_staged<2, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 3: scan_staged<3, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 4: scan_staged<4, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 5: scan_staged<5, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 6: scan_staged<6, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    default: scan_staged<7, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 0: scan_staged<kArgmax, 0, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 1: scan_staged<kArgmax, 1, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 2: scan_staged<kArgmax, 2, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 3: scan_staged<kArgmax, 3, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 4: scan_staged<kArgmax, 4, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 5: scan_staged<kArgmax, 5, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    case 6: scan_staged<kArgmax, 6, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+    default: scan_staged<kArgmax, 7, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
   }
 }
 
@@ -407,8 +418,9 @@ __device__ __forceinline__ void stage_wait() {
 }
 
 // Output element (k, c, r) (r = ph * PW + pw) goes to k * C * bins + c * o_sc + r * o_sr:
-// o_sc = bins, o_sr = 1 for [K, C, PH, PW]; o_sc = 1, o_sr = C for [K, bins, C].
-template <typename scalar_t>
+// o_sc = bins, o_sr = 1 for [K, C, PH, PW]; o_sc = 1, o_sr = C for [K, bins, C]. Without
+// kArgmax the values alone (argmax unused).
+template <typename scalar_t, bool kArgmax>
 __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
     const scalar_t* __restrict__ input, const scalar_t* __restrict__ rois,
     at::opmath_type<scalar_t> scale, const int32_t* __restrict__ offsets,
@@ -438,7 +450,7 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
       const int64_t k = bin / bins, r = bin - k * bins;
       const int64_t o = k * sh.channels * bins + (c0 + ci) * o_sc + r * o_sr;
       output[o] = scalar_t(0);
-      argmax[o] = -1;
+      if constexpr (kArgmax) argmax[o] = -1;
     }
     return;
   }
@@ -487,7 +499,7 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
       }
       if (bin.h1 - y0 <= wh && bin.w1 - x0 <= ww) {
         const Word* p = tile + ((bin.h0 - y0) * ww + (bin.w0 - x0)) * kPixelWords + lane;
-        scan_staged_bin<V>(p, ww * kPixelWords, bin.h1 - bin.h0, bin.w1 - bin.w0, bin.h0 * width + bin.w0,
+        scan_staged_bin<kArgmax, V>(p, ww * kPixelWords, bin.h1 - bin.h0, bin.w1 - bin.w0, bin.h0 * width + bin.w0,
                            width, best, best_i);
       } else {  // past the window: the same scan over global memory
         for (int h = bin.h0; h < bin.h1; ++h) {
@@ -517,13 +529,13 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
           w_i.v[v] = best_i[v];
         }
         *reinterpret_cast<Word*>(output + o) = w;
-        *reinterpret_cast<plane_band::Lanes<int32_t, V>*>(argmax + o) = w_i;
+        if constexpr (kArgmax) *reinterpret_cast<plane_band::Lanes<int32_t, V>*>(argmax + o) = w_i;
       } else {
 #pragma unroll
         for (int v = 0; v < V; ++v) {
           if (lane * V + v < nc) {
             output[o + v * o_sc] = static_cast<scalar_t>(best[v]);
-            argmax[o + v * o_sc] = best_i[v];
+            if constexpr (kArgmax) argmax[o + v * o_sc] = best_i[v];
           }
         }
       }
@@ -531,21 +543,21 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
   }
 }
 
-// Shared memory of bins_to_channels_kernel: bins rows of cc + 1 values, then as many int32
-// indices, 16-byte aligned.
+// Shared memory of bins_to_channels_kernel: bins rows of cc + 1 values, then (with argmax) as
+// many int32 indices, 16-byte aligned.
 __host__ __device__ inline int64_t transpose_values_bytes(int64_t bins, int64_t cc, int64_t value_bytes) {
   return (bins * (cc + 1) * value_bytes + 15) / 16 * 16;
 }
-__host__ __device__ inline int64_t transpose_smem(int64_t bins, int64_t cc, int64_t value_bytes) {
-  return transpose_values_bytes(bins, cc, value_bytes) + bins * (cc + 1) * 4;
+__host__ __device__ inline int64_t transpose_smem(int64_t bins, int64_t cc, int64_t value_bytes, bool with_argmax) {
+  return transpose_values_bytes(bins, cc, value_bytes) + (with_argmax ? bins * (cc + 1) * 4 : 0);
 }
 
 // Channels per bins_to_channels block: the most of 64, 32, 16, 8 whose slab fits kTransposeSmem
-// (64 for 7 x 7 bins, 16 for 14 x 14 in float32), or 0 when even 8 do not (more than about 400
-// bins in float32): the forward then writes its outputs in place.
-inline int transpose_channels(int64_t bins, int64_t value_bytes) {
+// (with argmax: 64 for 7 x 7 bins, 16 for 14 x 14 in float32), or 0 when even 8 do not (more
+// than about 400 bins in float32 with argmax): the forward then writes its outputs in place.
+inline int transpose_channels(int64_t bins, int64_t value_bytes, bool with_argmax) {
   for (int cc = 64; cc >= 8; cc /= 2) {
-    if (transpose_smem(bins, cc, value_bytes) <= kTransposeSmem) return cc;
+    if (transpose_smem(bins, cc, value_bytes, with_argmax) <= kTransposeSmem) return cc;
   }
   return 0;
 }
@@ -554,13 +566,14 @@ inline int transpose_channels(int64_t bins, int64_t value_bytes) {
 // block per RoI and group of CC channels: it reads the group's bins x CC slab (bins rows of CC
 // adjacent channels) into shared memory and writes it out as the CC x bins run it fills, which
 // is contiguous in the output. CC + 1 words per staged row: both phases are conflict-free.
-template <typename scalar_t>
+// Without kArgmax the values alone.
+template <typename scalar_t, bool kArgmax>
 __global__ void __launch_bounds__(kTransposeThreads) bins_to_channels_kernel(
     const scalar_t* __restrict__ in_v, const int32_t* __restrict__ in_a, int64_t num_rois, int bins,
     int64_t channels, int cc, scalar_t* __restrict__ out_v, int32_t* __restrict__ out_a) {
   extern __shared__ __align__(16) unsigned char smem[];
   scalar_t* sv = reinterpret_cast<scalar_t*>(smem);
-  int32_t* sa = reinterpret_cast<int32_t*>(smem + transpose_values_bytes(bins, cc, sizeof(scalar_t)));
+  int32_t* sa = reinterpret_cast<int32_t*>(smem + transpose_values_bytes(bins, cc, sizeof(scalar_t)));  // kArgmax
   const int64_t groups = (channels + cc - 1) / cc;
   for (int64_t t = blockIdx.x; t < num_rois * groups; t += gridDim.x) {
     const int64_t k = t / groups;
@@ -571,14 +584,14 @@ __global__ void __launch_bounds__(kTransposeThreads) bins_to_channels_kernel(
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
       const int r = i / nc, c = i - r * nc;
       sv[r * (cc + 1) + c] = in_v[src + static_cast<int64_t>(r) * channels + c];
-      sa[r * (cc + 1) + c] = in_a[src + static_cast<int64_t>(r) * channels + c];
+      if constexpr (kArgmax) sa[r * (cc + 1) + c] = in_a[src + static_cast<int64_t>(r) * channels + c];
     }
     __syncthreads();
     const int64_t dst = (k * channels + c0) * bins;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
       const int c = i / bins, r = i - c * bins;
       out_v[dst + i] = sv[r * (cc + 1) + c];
-      out_a[dst + i] = sa[r * (cc + 1) + c];
+      if constexpr (kArgmax) out_a[dst + i] = sa[r * (cc + 1) + c];
     }
     __syncthreads();
   }
@@ -659,31 +672,34 @@ bool roi_pool_forward_tile(
     }
     const int64_t list_offset = cuda::round_up(static_cast<int64_t>(plan.capacity) * kPixelWords * word_bytes(input), 16);
     const int64_t smem = list_offset + kTileList * static_cast<int64_t>(sizeof(TileBin));
-    auto kernel = roi_pool_tile_forward_kernel<scalar_t>;
+    const bool with_argmax = argmax.defined();  // else the values alone
+    auto kernel = with_argmax ? roi_pool_tile_forward_kernel<scalar_t, true>
+                              : roi_pool_tile_forward_kernel<scalar_t, false>;
     plane_band::allow_smem(kernel, smem);
     const dim3 grid(static_cast<unsigned>(num_keys), static_cast<unsigned>(cuda::ceil_div(channels, int64_t{32 * V})));
     // Outputs go through [K, bins, C] buffers and bins_to_channels_kernel (see the top of the
     // file) when its blocks' slabs fit in shared memory; straight to [K, C, PH, PW] otherwise.
     const int64_t bins = pooled_height * pooled_width;
-    const int cc = transpose_channels(bins, sizeof(scalar_t));
+    const int cc = transpose_channels(bins, sizeof(scalar_t), with_argmax);
     at::Tensor stage_v, stage_a;
     if (cc > 0) {
       stage_v = at::empty({output.numel()}, output.options());
-      stage_a = at::empty({argmax.numel()}, argmax.options());
+      if (with_argmax) stage_a = at::empty({argmax.numel()}, argmax.options());
     }
+    auto pointer = [](at::Tensor& t) { return t.defined() ? t.data_ptr<int32_t>() : nullptr; };
     kernel<<<grid, kTileThreads, static_cast<size_t>(smem), stream>>>(
         input.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(), scale, offsets, rows, reach,
         shape, plan, list_offset, cc > 0 ? stage_v.data_ptr<scalar_t>() : output.data_ptr<scalar_t>(),
-        cc > 0 ? stage_a.data_ptr<int32_t>() : argmax.data_ptr<int32_t>(), cc > 0 ? 1 : bins,
-        cc > 0 ? channels : 1);
+        cc > 0 ? pointer(stage_a) : pointer(argmax), cc > 0 ? 1 : bins, cc > 0 ? channels : 1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (cc > 0) {
       const int64_t blocks = rois.size(0) * cuda::ceil_div(channels, int64_t{cc});
-      const auto tsmem = static_cast<size_t>(transpose_smem(bins, cc, sizeof(scalar_t)));
+      const auto tsmem = static_cast<size_t>(transpose_smem(bins, cc, sizeof(scalar_t), with_argmax));
       const auto tgrid = static_cast<unsigned>(std::min<int64_t>(blocks, int64_t{1} << 20));
-      bins_to_channels_kernel<scalar_t><<<tgrid, kTransposeThreads, tsmem, stream>>>(
-          stage_v.const_data_ptr<scalar_t>(), stage_a.const_data_ptr<int32_t>(), rois.size(0),
-          static_cast<int>(bins), channels, cc, output.data_ptr<scalar_t>(), argmax.data_ptr<int32_t>());
+      auto transpose = with_argmax ? bins_to_channels_kernel<scalar_t, true> : bins_to_channels_kernel<scalar_t, false>;
+      transpose<<<tgrid, kTransposeThreads, tsmem, stream>>>(
+          stage_v.const_data_ptr<scalar_t>(), pointer(stage_a), rois.size(0), static_cast<int>(bins), channels, cc,
+          output.data_ptr<scalar_t>(), pointer(argmax));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });

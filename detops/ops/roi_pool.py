@@ -40,12 +40,16 @@ def roi_pool(
 
     Returns:
         Tensor[K, C, PH, PW]: the maximum of each bin, 0 for an empty bin, in `input`'s dtype.
+
+    The index of each maximum, which the backward needs, is computed and kept only when
+    `input` requires a gradient and grad mode is on; otherwise (inference) the kernels skip it,
+    with the same output bits. `torch.ops.detops.roi_pool` always returns (output, argmax).
     """
     rois = boxes_to_rois(boxes, _OP)
     ph, pw = pair(output_size, _OP)
-    # the op's own autograd, in C++ (csrc/autograd/roi_ops.cpp)
-    output, _ = torch.ops.detops.roi_pool.default(input, rois, float(spatial_scale), ph, pw)
-    return output
+    # roi_pool's output alone: its C++ autograd (csrc/autograd/roi_ops.cpp) runs roi_pool, with
+    # argmax saved, when input needs a gradient, and otherwise kernels that skip argmax
+    return torch.ops.detops._roi_pool_values.default(input, rois, float(spatial_scale), ph, pw)
 
 
 class RoIPool(nn.Module):
@@ -79,6 +83,11 @@ def _roi_pool_fake(input: Tensor, rois: Tensor, spatial_scale: float, pooled_hei
     )
     shape = (rois.size(0), input.size(1), pooled_height, pooled_width)
     return input.new_empty(shape), input.new_empty(shape, dtype=torch.int32)
+
+
+@torch.library.register_fake("detops::_roi_pool_values")
+def _roi_pool_values_fake(input: Tensor, rois: Tensor, spatial_scale: float, pooled_height, pooled_width):
+    return _roi_pool_fake(input, rois, spatial_scale, pooled_height, pooled_width)[0]
 
 
 @torch.library.register_fake("detops::_roi_pool_backward")

@@ -105,6 +105,12 @@ TEST(Autograd, RoIOpsAreDifferentiableFromCpp) {
   for (int64_t i = 0; i < 16; ++i) {
     EXPECT_EQ(g[i].item<float>(), (i == 5 || i == 7 || i == 13 || i == 15) ? 1.0f : 0.0f) << i;
   }
+  // roi_pool_values (the output alone) takes roi_pool's autograd when its input needs a gradient
+  auto xv = at::arange(16, at::kFloat).view({1, 1, 4, 4}).requires_grad_();
+  auto values = detops::ops::roi_pool_values(xv, rois_of({0, 0, 0, 3, 3}, at::kCPU), 1.0, 2, 2);
+  ASSERT_TRUE(values.requires_grad());
+  values.sum().backward();
+  EXPECT_TRUE(at::equal(xv.grad(), x.grad()));
 }
 
 TEST(RoIPool, MaxOfAKnownGrid) {
@@ -116,6 +122,7 @@ TEST(RoIPool, MaxOfAKnownGrid) {
     auto want = at::tensor({5.f, 7.f, 13.f, 15.f}).view({1, 1, 2, 2});
     EXPECT_TRUE(at::equal(out.cpu(), want)) << out;
     EXPECT_TRUE(at::equal(argmax.cpu(), want.to(at::kInt)));
+    EXPECT_TRUE(at::equal(detops::ops::roi_pool_values(input, rois, 1.0, 2, 2).cpu(), want));
   }
 }
 
