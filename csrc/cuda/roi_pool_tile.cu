@@ -562,15 +562,63 @@ inline int transpose_channels(int64_t bins, int64_t value_bytes, bool with_argma
   return 0;
 }
 
+// Reads a bins x nc slab, row r at in + src + r * channels (nc adjacent elements), into s,
+// rows of cc + 1 elements. With vec (channels and nc multiples of a 16-byte vector's elements,
+// so that every row starts 16-byte aligned in a buffer of whole vectors): 16-byte loads,
+// kUnroll of them in flight per thread before their shared stores, since the staged buffer
+// comes from DRAM and one 4-byte load per thread in flight left the transpose of the values
+// alone latency-bound; else element by element. All threads take part.
+template <typename T>
+__device__ __forceinline__ void slab_to_shared(
+    const T* __restrict__ in, int64_t src, int64_t channels, int bins, int nc, int cc, bool vec, T* __restrict__ s) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kUnroll = 4;
+  if (!vec) {
+    for (int i = threadIdx.x; i < bins * nc; i += blockDim.x) {
+      const int r = i / nc, c = i - r * nc;
+      s[r * (cc + 1) + c] = in[src + static_cast<int64_t>(r) * channels + c];
+    }
+    return;
+  }
+  const int per_row = nc / kVec;
+  const int nv = bins * per_row;
+  for (int base = threadIdx.x; base < nv; base += kUnroll * blockDim.x) {
+    uint4 w[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * static_cast<int>(blockDim.x);
+      if (i < nv) {
+        const int r = i / per_row, c = (i - r * per_row) * kVec;
+        w[u] = *reinterpret_cast<const uint4*>(in + src + static_cast<int64_t>(r) * channels + c);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * static_cast<int>(blockDim.x);
+      if (i < nv) {
+        const int r = i / per_row, c = (i - r * per_row) * kVec;
+        T e[kVec];
+        memcpy(e, &w[u], sizeof(e));
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s[r * (cc + 1) + c + j] = e[j];
+      }
+    }
+  }
+}
+
 // out[k][c][r] = in[k][r][c], for the values and the argmax: [K, bins, C] -> [K, C, bins]. A
 // block per RoI and group of CC channels: it reads the group's bins x CC slab (bins rows of CC
 // adjacent channels) into shared memory and writes it out as the CC x bins run it fills, which
 // is contiguous in the output. CC + 1 words per staged row: both phases are conflict-free.
-// Without kArgmax the values alone.
+// Without kArgmax the values alone, read with slab_to_shared's 16-byte loads where vec_v holds
+// (at most 40 registers, six blocks an SM). With kArgmax a value and its index are read together,
+// element by element, eight blocks an SM: those two loads per thread in flight kept DRAM about
+// as busy (3.0 TB/s at 14 x 14), and 16-byte loads made the 16-bit kernel slower
+// (BENCHMARKS.md, "roi_pool forward without argmax when no gradient is needed").
 template <typename scalar_t, bool kArgmax>
-__global__ void __launch_bounds__(kTransposeThreads) bins_to_channels_kernel(
+__global__ void __launch_bounds__(kTransposeThreads, kArgmax ? 8 : 6) bins_to_channels_kernel(
     const scalar_t* __restrict__ in_v, const int32_t* __restrict__ in_a, int64_t num_rois, int bins,
-    int64_t channels, int cc, scalar_t* __restrict__ out_v, int32_t* __restrict__ out_a) {
+    int64_t channels, int cc, bool vec_v, scalar_t* __restrict__ out_v, int32_t* __restrict__ out_a) {
   extern __shared__ __align__(16) unsigned char smem[];
   scalar_t* sv = reinterpret_cast<scalar_t*>(smem);
   int32_t* sa = reinterpret_cast<int32_t*>(smem + transpose_values_bytes(bins, cc, sizeof(scalar_t)));  // kArgmax
@@ -581,10 +629,14 @@ __global__ void __launch_bounds__(kTransposeThreads) bins_to_channels_kernel(
     const int nc = static_cast<int>(min(static_cast<int64_t>(cc), channels - c0));
     const int n = bins * nc;
     const int64_t src = k * bins * channels + c0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const int r = i / nc, c = i - r * nc;
-      sv[r * (cc + 1) + c] = in_v[src + static_cast<int64_t>(r) * channels + c];
-      if constexpr (kArgmax) sa[r * (cc + 1) + c] = in_a[src + static_cast<int64_t>(r) * channels + c];
+    if constexpr (kArgmax) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int r = i / nc, c = i - r * nc;
+        sv[r * (cc + 1) + c] = in_v[src + static_cast<int64_t>(r) * channels + c];
+        sa[r * (cc + 1) + c] = in_a[src + static_cast<int64_t>(r) * channels + c];
+      }
+    } else {
+      slab_to_shared(in_v, src, channels, bins, nc, cc, vec_v, sv);
     }
     __syncthreads();
     const int64_t dst = (k * channels + c0) * bins;
@@ -697,9 +749,12 @@ bool roi_pool_forward_tile(
       const auto tsmem = static_cast<size_t>(transpose_smem(bins, cc, sizeof(scalar_t), with_argmax));
       const auto tgrid = static_cast<unsigned>(std::min<int64_t>(blocks, int64_t{1} << 20));
       auto transpose = with_argmax ? bins_to_channels_kernel<scalar_t, true> : bins_to_channels_kernel<scalar_t, false>;
+      // 16-byte loads where every row of the staged values starts on a whole vector (cc is a
+      // multiple of every vector's elements; the buffer is a fresh allocation)
+      const bool vec_v = channels % (16 / static_cast<int64_t>(sizeof(scalar_t))) == 0;
       transpose<<<tgrid, kTransposeThreads, tsmem, stream>>>(
           stage_v.const_data_ptr<scalar_t>(), pointer(stage_a), rois.size(0), static_cast<int>(bins), channels, cc,
-          output.data_ptr<scalar_t>(), pointer(argmax));
+          vec_v, output.data_ptr<scalar_t>(), pointer(argmax));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
