@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "../common/checks.h"
+#include "../common/roi_pool_entries.h"
 #include "../common/roi_pool_geometry.h"
 #include "../detops.h"
 #include "output_alloc.h"
@@ -295,7 +296,7 @@ void roi_pool_forward_typed(
 }
 
 // The forward; with_argmax false: the values alone, argmax left undefined.
-std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu_impl(
+std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(
     const at::Tensor& input, const at::Tensor& rois_in, double spatial_scale,
     int64_t pooled_height, int64_t pooled_width, bool with_argmax) {
   checks::check_roi_pool_inputs(input, rois_in, spatial_scale, pooled_height, pooled_width);
@@ -319,18 +320,6 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu_impl(
             input, rois, spatial_scale, pooled_height, pooled_width, output, argmax);
       });
   return {output, argmax};
-}
-
-std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cpu(
-    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width) {
-  return roi_pool_forward_cpu_impl(input, rois, spatial_scale, pooled_height, pooled_width, true);
-}
-
-at::Tensor roi_pool_values_cpu(
-    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width) {
-  return std::get<0>(roi_pool_forward_cpu_impl(input, rois, spatial_scale, pooled_height, pooled_width, false));
 }
 
 template <typename scalar_t>
@@ -442,8 +431,8 @@ at::Tensor roi_pool_backward_cpu(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(detops, CPU, m) {
-  m.impl("roi_pool", TORCH_FN(roi_pool_forward_cpu));
-  m.impl("_roi_pool_values", TORCH_FN(roi_pool_values_cpu));
+  m.impl("roi_pool", TORCH_FN(RoIPoolEntries<&roi_pool_forward_cpu>::with_argmax));
+  m.impl("_roi_pool_values", TORCH_FN(RoIPoolEntries<&roi_pool_forward_cpu>::values));
   m.impl("_roi_pool_backward", TORCH_FN(roi_pool_backward_cpu));
 }
 

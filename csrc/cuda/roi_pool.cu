@@ -50,6 +50,7 @@
 #include <type_traits>
 
 #include "../common/checks.h"
+#include "../common/roi_pool_entries.h"
 #include "../common/roi_pool_geometry.h"
 #include "cuda_helpers.h"
 #include "radix_sort.cuh"
@@ -370,7 +371,7 @@ void launch_backward_atomic(
 
 // The forward; with_argmax false: the values alone, argmax left undefined (nothing computes
 // or stores it).
-std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda_impl(
+std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
     const at::Tensor& input, const at::Tensor& rois_in, double spatial_scale,
     int64_t pooled_height, int64_t pooled_width, bool with_argmax) {
   checks::check_roi_pool_inputs(input, rois_in, spatial_scale, pooled_height, pooled_width);
@@ -409,18 +410,6 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda_impl(
         }
       });
   return {output, argmax};
-}
-
-std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
-    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width) {
-  return roi_pool_forward_cuda_impl(input, rois, spatial_scale, pooled_height, pooled_width, true);
-}
-
-at::Tensor roi_pool_values_cuda(
-    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width) {
-  return std::get<0>(roi_pool_forward_cuda_impl(input, rois, spatial_scale, pooled_height, pooled_width, false));
 }
 
 template <typename scalar_t, typename key_t>
@@ -524,8 +513,8 @@ at::Tensor roi_pool_backward_cuda(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(detops, CUDA, m) {
-  m.impl("roi_pool", TORCH_FN(roi_pool_forward_cuda));
-  m.impl("_roi_pool_values", TORCH_FN(roi_pool_values_cuda));
+  m.impl("roi_pool", TORCH_FN(RoIPoolEntries<&roi_pool_forward_cuda>::with_argmax));
+  m.impl("_roi_pool_values", TORCH_FN(RoIPoolEntries<&roi_pool_forward_cuda>::values));
   m.impl("_roi_pool_backward", TORCH_FN(roi_pool_backward_cuda));
 }
 
