@@ -1,6 +1,7 @@
-// Autocast for roi_pool and _roi_pool_values: the max is taken in float32 and the output returned in the input's
-// dtype (argmax stays int32). Max pooling is exact, so this only fixes the dtype mix that
-// autocast produces (e.g. bfloat16 features with float32 RoIs), which the kernels reject.
+// Autocast for roi_pool and _roi_pool_values: the max is taken in float32 and the output
+// returned in the input's dtype (argmax stays int32). Max pooling is exact, so this only fixes
+// the dtype mix that autocast produces (e.g. bfloat16 features with float32 RoIs), which the
+// kernels reject.
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>

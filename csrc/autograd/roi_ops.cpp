@@ -1,8 +1,8 @@
 // Autograd of roi_align and roi_pool, registered on the ops themselves (the Autograd dispatch
 // key), in C++: a call that needs no gradient goes through without any Python, and C++ callers
 // of the dispatcher ops get gradients too. _roi_pool_values (roi_pool's output alone) runs the
-// kernels without argmax when no gradient is needed, and roi_pool's Function otherwise. Each backward op has a node whose own backward
-// raises: there is no double backward.
+// kernels without argmax when no gradient is needed, and roi_pool's Function otherwise. Each
+// backward op has a node whose own backward raises: there is no double backward.
 //
 // Under autocast the ops may run in float32 on casts of the arguments (autocast/*.cpp): the
 // gradient is taken in the RoIs' dtype and returned in the input's dtype, as the op saw them.

@@ -1,9 +1,10 @@
 // RoIPool (max) forward and backward on the CPU.
 //
 // Forward: one work item per (block of 8 channels, RoI); the RoI's bin windows are computed
-// once per item. _roi_pool_values runs the same code without storing argmax. The input is read through its strides, so contiguous, channels_last and other
-// strided inputs need no copy. Every path gives geometry::roi_pool_max's value bits and index
-// (row-major order, the first maximum wins, NaN never does):
+// once per item. _roi_pool_values runs the same code without storing argmax. The input is
+// read through its strides, so contiguous, channels_last and other strided inputs need no
+// copy. Every path gives geometry::roi_pool_max's value bits and index (row-major order, the
+// first maximum wins, NaN never does):
 //   * float32 with contiguous rows (NCHW) or contiguous channels (channels_last) and at least
 //     8 channels: the vector path (roi_pool_block.h), AVX2 where the CPU has it, else SSE2;
 //     the block's channels are the vector lanes, and each bin row's column maxima are found
