@@ -219,13 +219,13 @@ def _pool_inputs(dtypes, sizes):
 
 
 def _queued_and_alone(fn):
-    """fn's GPU time per call queued behind a sleep (queued_times) and one call timed alone, in
-    µs, after three warm-up calls."""
+    """fn's host issue time and GPU time per call queued behind a sleep (queued_times), and one
+    call timed alone, in µs, after three warm-up calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    _, queued = queued_times(fn, calls=20, rounds=9)
-    return queued, median_ms(fn, "cuda", runs=50) * 1e3
+    issue, queued = queued_times(fn, calls=20, rounds=9)
+    return issue, queued, median_ms(fn, "cuda", runs=50) * 1e3
 
 
 def _kernel_times(fn, calls=10):
@@ -245,7 +245,8 @@ def pool_forward_times(dtypes=("fp32", "fp16", "bf16"), sizes=(7, 14)):
     """roi_pool's forward on the benchmark inputs, per dtype and output size: the op with argmax
     (torch.ops.detops.roi_pool, what an input that needs a gradient runs), detops.ops.roi_pool on
     an input that needs none (no argmax), and torchvision's: the GPU time per call queued behind
-    a sleep (queued_times), one call timed alone, and the kernels of a call."""
+    a sleep (queued_times), one call timed alone, the host's issue time, and the kernels of a
+    call."""
     for dname, size, xd, rd in _pool_inputs(dtypes, sizes):
         variants = {
             "with argmax": lambda: torch.ops.detops.roi_pool(xd, rd, 0.25, size, size),
@@ -254,9 +255,9 @@ def pool_forward_times(dtypes=("fp32", "fp16", "bf16"), sizes=(7, 14)):
         if dname != "bf16":  # torchvision's roi_pool has no bfloat16 kernel
             variants["torchvision"] = lambda: torchvision.ops.roi_pool(xd, rd, size, 0.25)
         for name, fn in variants.items():
-            queued, alone = _queued_and_alone(fn)
-            print(f"| roi_pool fwd {name}, {dname}, {size}x{size} | queued {queued:.1f} µs | alone {alone:.1f} µs |",
-                  flush=True)
+            issue, queued, alone = _queued_and_alone(fn)
+            print(f"| roi_pool fwd {name}, {dname}, {size}x{size} | queued {queued:.1f} µs | alone {alone:.1f} µs | "
+                  f"host issue {issue:.1f} µs |", flush=True)
             if name != "torchvision":
                 for kname, t in _kernel_times(fn):
                     print(f"|   {kname[:90]} | {t:.1f} µs |")
@@ -265,14 +266,16 @@ def pool_forward_times(dtypes=("fp32", "fp16", "bf16"), sizes=(7, 14)):
 def pool_backward_times(dtypes=("fp32", "fp16", "bf16"), sizes=(7, 14)):
     """roi_pool's backward op alone on the benchmark inputs (the argmax of its forward), per
     dtype and output size: the GPU time per call queued behind a sleep (queued_times), one call
-    timed alone, and the kernels of a call (torch.profiler, mean of 10 calls)."""
+    timed alone, the host's issue time, and the kernels of a call (torch.profiler, mean of 10
+    calls)."""
     for dname, size, xd, rd in _pool_inputs(dtypes, sizes):
         _, argmax = torch.ops.detops.roi_pool(xd, rd, 0.25, size, size)
         grad = torch.randn(argmax.shape, device="cuda").to(DTYPES[dname])
         backward = lambda: torch.ops.detops._roi_pool_backward(  # noqa: E731
             grad, rd, argmax, 0.25, size, size, 2, 256, 200, 304)
-        queued, alone = _queued_and_alone(backward)
-        print(f"| roi_pool backward, {dname}, {size}x{size} | queued {queued:.1f} µs | alone {alone:.1f} µs |", flush=True)
+        issue, queued, alone = _queued_and_alone(backward)
+        print(f"| roi_pool backward, {dname}, {size}x{size} | queued {queued:.1f} µs | alone {alone:.1f} µs | "
+              f"host issue {issue:.1f} µs |", flush=True)
         for name, t in _kernel_times(backward):
             print(f"|   {name[:90]} | {t:.1f} µs |")
 

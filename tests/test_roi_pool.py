@@ -592,6 +592,19 @@ def test_cuda_invalid_batch_index_asserts(kernel):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["gather", "band"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cuda_invalid_batch_index_asserts_backward(kernel, dtype):
+    # the band backward checks batch indices in its setup (owner) kernel, the atomic backward
+    # in a kernel of its own; either way a device assertion names the backward op
+    grad = f"torch.ones(51, 3, 7, 7, device='cuda', dtype=torch.{dtype})"
+    argmax = "torch.zeros(51, 3, 7, 7, device='cuda', dtype=torch.int32)"
+    call = f"torch.ops.detops._roi_pool_backward({grad}, rois.to(torch.{dtype}), {argmax}, 1.0, 7, 7, 2, 3, 40, 40)"
+    out = assert_fails_device_assert(invalid_batch_index_code(kernel, call))
+    assert "detops.roi_pool backward: rois[:, 0]" in out, out
+
+
+@pytest.mark.cuda
 def test_cuda_autocast_and_compile():
     x = distinct_input((2, 3, 10, 10)).cuda().half()
     rois = random_rois(8, 2, 10, 10, 1.0).cuda()

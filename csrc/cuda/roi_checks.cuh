@@ -2,7 +2,8 @@
 // rois[k, 0] is not an integer in [0, B) fails a device assertion that names the op. The RoI
 // kernels ignore such RoIs (empty bins, no gradient), so nothing is read or written out of
 // bounds before the error surfaces at the next synchronization. Kernels that read every RoI
-// anyway (the roi_align band setup) make the same check themselves (assert_batch_index).
+// anyway (the roi_align band setup, the roi_pool tile keys and band owner kernels) make the same
+// check themselves (assert_batch_index).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -66,8 +66,8 @@ bool roi_pool_forward_tile(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, at::Tensor& output, at::Tensor& argmax);
 // roi_pool_band.cu: the backward of dense RoIs on NCHW maps through shared-memory plane
-// bands: grad_input in grad's dtype, or an undefined tensor when the band kernels do not take
-// the inputs.
+// bands (it checks the batch indices itself): grad_input in grad's dtype, or an undefined
+// tensor when the band kernels do not take the inputs.
 at::Tensor roi_pool_backward_band(
     const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
     double spatial_scale, int64_t pooled_height, int64_t pooled_width, int64_t batch,
@@ -463,13 +463,13 @@ at::Tensor roi_pool_backward_cuda(
   }
   const at::Tensor rois = rois_in.contiguous();
   const at::Tensor argmax = argmax_in.contiguous();
-  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIPoolBackward, rois, batch_size);
-  if (!deterministic) {
+  if (!deterministic) {  // the band backward checks the batch indices in its setup kernel
     const at::Tensor band = roi_pool_backward_band(
         grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size, channels,
         height, width);
     if (band.defined()) return band;
   }
+  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIPoolBackward, rois, batch_size);
   at::Tensor grad_input = wide_acc
       ? at::empty({batch_size, channels, height, width}, grad.options())
       : at::zeros({batch_size, channels, height, width}, grad.options());

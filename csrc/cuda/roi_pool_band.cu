@@ -33,6 +33,7 @@
 #include "../detops.h"
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
+#include "roi_checks.cuh"
 
 namespace detops {
 namespace ops {
@@ -88,7 +89,9 @@ BandPlan pool_plan(int64_t batch, int64_t height, int64_t width, int64_t acc_byt
 }
 
 // keys[k * PH + ph]: the first band bin row (k, ph)'s pixel rows touch (image * bands + band);
-// spans[k * PH + ph]: how many bands they touch. Clears the stray flag of the backward.
+// spans[k * PH + ph]: how many bands they touch. Clears the stray flag of the backward, and
+// checks each RoI's batch index (at its row ph = 0), as roi_checks::check_batch_indices_async
+// would in a launch of its own.
 template <typename scalar_t>
 __global__ void roi_pool_owner_kernel(
     int64_t total, const scalar_t* __restrict__ rois, at::opmath_type<scalar_t> scale,
@@ -99,6 +102,9 @@ __global__ void roi_pool_owner_kernel(
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t k = i / sh.pooled_height, ph = i - k * sh.pooled_height;
+    if (ph == 0) {
+      roi_checks::assert_batch_index(static_cast<double>(rois[k * 5]), sh.batch, roi_checks::RoIOp::kRoIPoolBackward);
+    }
     const auto box = geometry::roi_pool_box_at(rois, k, scale, sh.batch, sh.pooled_height, sh.pooled_width);
     int64_t h0, h1, w0, w1;
     geometry::roi_pool_bin(box, ph, 0, sh.height, sh.width, h0, h1, w0, w1);
