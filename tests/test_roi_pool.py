@@ -717,16 +717,25 @@ def test_cuda_wide_and_huge_rois(dtype, size):
     _check_cuda_against_cpu(x, rois, 1.0, *size)
 
 
+def _negative_then_zeros(shape, seed=5):
+    """-1 (80%), -0.0 and +0.0: most bins' maxima are zero, and their first zero in row-major
+    order (the maximum the sequential scan keeps, sign included) comes after a few -1."""
+    u = torch.rand(shape, generator=torch.Generator().manual_seed(seed))
+    return torch.where(u < 0.8, -1.0, torch.where(u < 0.9, -0.0, 0.0))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_cuda_ties(dtype):
     # constant features: every bin ties everywhere and takes its first pixel in row-major
-    # order; then a few distinct values (ties within and across columns), and +0.0 / -0.0
+    # order; then a few distinct values (ties within and across columns), +0.0 / -0.0, and
+    # maps where the first zero of a bin whose maximum is zero comes after negative values
     rois = torch.cat([_wide_rois(2, 19, 150), random_rois(40, 2, 19, 150, 1.0, seed=11)]).to(dtype)
     for x in (
         torch.full((2, 33, 19, 150), 1.5),
         torch.randint(0, 3, (2, 33, 19, 150), generator=torch.Generator().manual_seed(1)).float(),
         torch.where(torch.rand(2, 33, 19, 150, generator=torch.Generator().manual_seed(2)) < 0.5, 0.0, -0.0),
+        _negative_then_zeros((2, 33, 19, 150)),
     ):
         for size in ((7, 7), (3, 2), (1, 1)):
             _check_cuda_against_cpu(x.to(dtype), rois, 1.0, *size)

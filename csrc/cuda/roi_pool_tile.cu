@@ -21,10 +21,10 @@
 //      window, cut down to the staging capacity, of its channels (pixel-major: a pixel's
 //      channels are adjacent, 33 words apart from the next pixel, so that both the staging
 //      stores and the scans are conflict-free; asynchronous copies for 4- and 8-byte types on
-//      sm_80 and newer, in flight while the block copies the geometry of its bins into shared
-//      memory), then scans its bins, a warp taking the next untaken bin whenever it finishes
-//      one. A bin reaching past the staged window is read from global memory instead (same
-//      scan, same result). The block of the extra key writes the empty bins (0, argmax -1);
+//      sm_80 and newer, in flight while the block works out its bins' places, sizes and output
+//      offsets into shared memory), then scans its bins, a warp taking the next untaken bin
+//      whenever it finishes one. A bin reaching past the staged window is read from global
+//      memory instead (same scan, same result). The block of the extra key writes the empty bins (0, argmax -1);
 //   4. bins_to_channels_kernel moves the outputs into place. A warp's results are one bin's 32
 //      channels, which lie bins elements apart in [K, C, PH, PW]: written there, each warp
 //      store touches 32 sectors for 128 bytes, and at 14 x 14 those partial sectors kept L2
@@ -37,9 +37,9 @@
 //      in float32) are written in place.
 // The input is read through its strides: contiguous NCHW is staged a pixel at a time along
 // rows, channels_last a pixel's channels at a time, both as whole 32-byte sectors.
-// The values alone (_roi_pool_values, an undefined argmax): the first pass's maximum is the
-// result, so only bins whose maximum is zero take the second pass (the sign of the first
-// zero), and no index is stored or transposed.
+// The values alone (_roi_pool_values, an undefined argmax): one pass, tracking no row; its
+// maximum is the result, and only a bin whose maximum is zero is read again, up to its first
+// zero (for the sign). No index is stored or transposed.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -87,10 +87,14 @@ constexpr int lane_channels() {
   return sizeof(scalar_t) == 2 ? 2 : 1;
 }
 
-// One bin of a block's list.
-struct TileBin {
-  int32_t k, r;  // RoI and bin r = ph * PW + pw
-  int32_t h0, h1, w0, w1;
+// One bin of a block's list, worked out once by the block's list step, so that the warp
+// scanning the bin computes no geometry and no 64-bit product (24 bytes read, 32 stored).
+struct alignas(16) TileBin {
+  int64_t out;      // its outputs' offset k * C * bins + r * o_sr, less the channels' part
+  int32_t at;       // word of its first pixel's channel 0 in the staged window; -1: past it
+  int32_t idx;      // flat index h0 * width + w0 of its first pixel
+  int32_t rows, cols;
+  int32_t unused[2];
 };
 
 struct TileShape {
@@ -279,9 +283,63 @@ __device__ __forceinline__ void take_channel(
   best_i = b_i[0];
 }
 
+// Calls f(R, kChunked) (std::integral_constant values) for rows of `cols` pixels: rows of
+// exactly R = cols pixels, all unrolled, up to 8 (every bin of most pooled sizes), and
+// otherwise 8 * (cols / 8) pixels in chunks of 8, then R = cols % 8.
+template <typename F>
+__device__ __forceinline__ void with_row_shape(int cols, F&& f) {
+  using std::integral_constant;
+  using Flat = integral_constant<bool, false>;
+  using Chunked = integral_constant<bool, true>;
+  if (cols <= 8) {
+    switch (cols) {
+      case 1: f(integral_constant<int, 1>{}, Flat{}); break;
+      case 2: f(integral_constant<int, 2>{}, Flat{}); break;
+      case 3: f(integral_constant<int, 3>{}, Flat{}); break;
+      case 4: f(integral_constant<int, 4>{}, Flat{}); break;
+      case 5: f(integral_constant<int, 5>{}, Flat{}); break;
+      case 6: f(integral_constant<int, 6>{}, Flat{}); break;
+      case 7: f(integral_constant<int, 7>{}, Flat{}); break;
+      default: f(integral_constant<int, 8>{}, Flat{}); break;
+    }
+  } else {
+    switch (cols % 8) {
+      case 0: f(integral_constant<int, 0>{}, Chunked{}); break;
+      case 1: f(integral_constant<int, 1>{}, Chunked{}); break;
+      case 2: f(integral_constant<int, 2>{}, Chunked{}); break;
+      case 3: f(integral_constant<int, 3>{}, Chunked{}); break;
+      case 4: f(integral_constant<int, 4>{}, Chunked{}); break;
+      case 5: f(integral_constant<int, 5>{}, Chunked{}); break;
+      case 6: f(integral_constant<int, 6>{}, Chunked{}); break;
+      default: f(integral_constant<int, 7>{}, Chunked{}); break;
+    }
+  }
+}
+
+// Rows of up to 8 pixels a scan takes a step: two, so that the loop's own instructions, about
+// as many as a short row's loads, count once for both. Longer rows go one at a time (two made
+// the 16-bit kernel with argmax 10% slower at 7x7, BENCHMARKS.md), and so do double ones (two
+// spill registers at the kernel's limit of 64).
+template <bool kChunked, typename scalar_t>
+constexpr int rows_per_step() {
+  return kChunked || sizeof(scalar_t) == 8 ? 1 : 2;
+}
+
+// m folded with the lane's words of one row of pixels from q: `chunks` chunks of 8 (where
+// kChunked), then R.
+template <int R, bool kChunked, int V, typename scalar_t>
+__device__ __forceinline__ plane_band::Lanes<scalar_t, V> fold_row(
+    const plane_band::Lanes<scalar_t, V>* __restrict__ q, int chunks, plane_band::Lanes<scalar_t, V> m) {
+  if constexpr (kChunked) {
+#pragma unroll 1
+    for (int c = 0; c < chunks; ++c, q += 8 * kPixelWords) m = fold_pixels<8, scalar_t, V>(q, m);
+  }
+  return fold_pixels<R, scalar_t, V>(q, m);
+}
+
 // The bin's maximum and its first index in row-major order, from the staged window: `rows`
-// rows of 8 * chunks + R pixels, p the lane's word of the bin's first pixel, idx its flat
-// index. Two passes:
+// rows of 8 * chunks + R pixels (with_row_shape), p the lane's word of the bin's first pixel,
+// idx its flat index. Two passes:
 //   1. each row folds the lanes' words into their running maxima (word_max: a load and one
 //      maximum per pixel, no index), and `top` keeps, per channel, the last row that raised
 //      it: the first row holding the bin's maximum;
@@ -291,10 +349,8 @@ __device__ __forceinline__ void take_channel(
 // `top`, and there it is the first pixel holding the row's maximum, which the second pass
 // finds. Its value is read back from that pixel, so zeros keep their sign. No row raises
 // anything when every value is NaN or at most the lowest value: index -1, as the scan leaves.
-// The pixels of a row are taken 8 at a time and then R at a time, unrolled, so that every load
-// has a constant offset. Without kArgmax (the values alone) the first pass's maximum is the
-// result, and only a maximum of zero takes the second pass, for the sign of the first zero.
-template <bool kArgmax, int R, int V, typename acc_t, typename scalar_t>
+// Every load has a constant offset; rows go rows_per_step at a time.
+template <int R, bool kChunked, int V, typename acc_t, typename scalar_t>
 __device__ __forceinline__ void scan_staged(
     const plane_band::Lanes<scalar_t, V>* __restrict__ p, int row_words, int rows, int chunks,
     int32_t idx, int width, acc_t (&best)[V], int32_t (&best_i)[V]) {
@@ -307,12 +363,10 @@ __device__ __forceinline__ void scan_staged(
     top[e] = -1;
   }
   const Word* row = p;
+  constexpr int kRows = rows_per_step<kChunked, scalar_t>();
+#pragma unroll kRows
   for (int h = 0; h < rows; ++h, row += row_words) {
-    const Word* q = row;
-    Word m = run;
-#pragma unroll 1
-    for (int c = 0; c < chunks; ++c, q += 8 * kPixelWords) m = fold_pixels<8, scalar_t, V>(q, m);
-    m = fold_pixels<R, scalar_t, V>(q, m);
+    const Word m = fold_row<R, kChunked, V>(row, chunks, run);
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       top[e] = static_cast<acc_t>(m.v[e]) > static_cast<acc_t>(run.v[e]) ? h : top[e];
@@ -322,35 +376,61 @@ __device__ __forceinline__ void scan_staged(
 #pragma unroll
   for (int e = 0; e < V; ++e) {
     if (top[e] < 0) continue;
-    if constexpr (!kArgmax) {
-      const acc_t m = static_cast<acc_t>(run.v[e]);
-      if (m != acc_t(0)) {  // above the lowest value and not NaN: the scan's value, same bits
-        best[e] = m;
-        continue;
-      }
-    }
     const Word* q = p + top[e] * row_words;
     int32_t i = idx + top[e] * width;
+    if constexpr (kChunked) {
 #pragma unroll 1
-    for (int c = 0; c < chunks; ++c, q += 8 * kPixelWords, i += 8) take_channel<8, V>(q, i, e, best[e], best_i[e]);
+      for (int c = 0; c < chunks; ++c, q += 8 * kPixelWords, i += 8) take_channel<8, V>(q, i, e, best[e], best_i[e]);
+    }
     take_channel<R, V>(q, i, e, best[e], best_i[e]);
   }
 }
 
-template <bool kArgmax, int V, typename acc_t, typename scalar_t>
+template <int V, typename acc_t, typename scalar_t>
 __device__ __forceinline__ void scan_staged_bin(
     const plane_band::Lanes<scalar_t, V>* __restrict__ p, int row_words, int rows, int cols, int32_t idx,
     int width, acc_t (&best)[V], int32_t (&best_i)[V]) {
-  const int chunks = cols / 8;
-  switch (cols % 8) {
-    case 0: scan_staged<kArgmax, 0, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 1: scan_staged<kArgmax, 1, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 2: scan_staged<kArgmax, 2, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 3: scan_staged<kArgmax, 3, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 4: scan_staged<kArgmax, 4, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 5: scan_staged<kArgmax, 5, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    case 6: scan_staged<kArgmax, 6, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
-    default: scan_staged<kArgmax, 7, V>(p, row_words, rows, chunks, idx, width, best, best_i); break;
+  with_row_shape(cols, [&](auto r, auto chunked) {
+    scan_staged<decltype(r)::value, decltype(chunked)::value, V>(p, row_words, rows, cols / 8, idx, width, best,
+                                                                  best_i);
+  });
+}
+
+// The values alone (no argmax): the bin's maximum as the sequential scan gives it, from the
+// staged window (rows x cols pixels from p, the lane's word of the first). One pass folds
+// every pixel into the lanes' maxima from the lowest value, best[] on entry (word_max: a load
+// and one maximum per pixel, NaN ignored). Any maximum other than zero has the scan's bits:
+// it is the lowest value when nothing exceeds that, else the largest number, and a nonzero
+// number has one encoding only. Of a maximum of zero the scan keeps the first zero in
+// row-major order (-0 and +0 never replace each other), so that pixel's value is read back.
+// No row or index is tracked.
+// Rows go as in scan_staged.
+template <int V, typename acc_t, typename scalar_t>
+__device__ __forceinline__ void values_staged_bin(
+    const plane_band::Lanes<scalar_t, V>* __restrict__ p, int row_words, int rows, int cols, acc_t (&best)[V]) {
+  using Word = plane_band::Lanes<scalar_t, V>;
+  Word m;
+#pragma unroll
+  for (int e = 0; e < V; ++e) m.v[e] = static_cast<scalar_t>(best[e]);  // the lowest value
+  with_row_shape(cols, [&](auto r, auto chunked) {
+    constexpr bool kChunked = decltype(chunked)::value;
+    constexpr int kRows = rows_per_step<kChunked, scalar_t>();
+    const Word* row = p;
+#pragma unroll kRows
+    for (int h = 0; h < rows; ++h, row += row_words) m = fold_row<decltype(r)::value, kChunked, V>(row, cols / 8, m);
+  });
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    best[e] = static_cast<acc_t>(m.v[e]);
+    if (best[e] != acc_t(0)) continue;
+    for (int h = 0; h < rows; ++h) {  // the first zero: one exists, the maximum is one
+      int w = 0;
+      while (w < cols && static_cast<acc_t>(p[h * row_words + w * kPixelWords].v[e]) != acc_t(0)) ++w;
+      if (w < cols) {
+        best[e] = static_cast<acc_t>(p[h * row_words + w * kPixelWords].v[e]);
+        break;
+      }
+    }
   }
 }
 
@@ -469,19 +549,24 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
     ww = min(ww, plan.capacity / wh);
   }
   stage_window<scalar_t>(image, sh, y0, x0, wh, ww, (nc + V - 1) / V, nc, tile);
+  const int32_t bins32 = static_cast<int32_t>(bins);
   for (int round = 0; round < n; round += kTileList) {
     const int m = min(kTileList, n - round);
     if (round > 0) __syncthreads();  // the previous round is done with the list and the counter
     if (threadIdx.x == 0) next_bin = kTileWarps;
     for (int i = threadIdx.x; i < m; i += blockDim.x) {
       const int32_t bin = rows[first + round + i];
-      const int32_t k = static_cast<int32_t>(bin / bins), r = static_cast<int32_t>(bin - k * bins);
+      const int32_t k = bin / bins32, r = bin - k * bins32;  // bins of all RoIs < 2^30
       const int32_t ph = r / pw_n, pw = r - ph * pw_n;
       const auto box = geometry::roi_pool_box_at(rois, k, scale, sh.batch, sh.pooled_height, sh.pooled_width);
       int64_t h0, h1, w0, w1;
       geometry::roi_pool_bin(box, int64_t{ph}, int64_t{pw}, sh.height, sh.width, h0, h1, w0, w1);
-      list[i] = TileBin{k, r, static_cast<int32_t>(h0), static_cast<int32_t>(h1),
-                        static_cast<int32_t>(w0), static_cast<int32_t>(w1)};
+      // the bin's first pixel lies in the tile, so a bin within the window's extent is staged
+      const bool staged = h1 - y0 <= wh && w1 - x0 <= ww;
+      const int32_t at = staged ? ((static_cast<int32_t>(h0) - y0) * ww + static_cast<int32_t>(w0) - x0) * kPixelWords
+                                : -1;
+      list[i] = TileBin{k * sh.channels * bins + r * o_sr, at, static_cast<int32_t>(h0 * sh.width + w0),
+                        static_cast<int32_t>(h1 - h0), static_cast<int32_t>(w1 - w0), {0, 0}};
     }
     if (round == 0) stage_wait();
     __syncthreads();  // the list, the counter and (first round) the window are in place
@@ -497,14 +582,18 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
         best[v] = geometry::roi_pool_lowest<acc_t>();
         best_i[v] = -1;
       }
-      if (bin.h1 - y0 <= wh && bin.w1 - x0 <= ww) {
-        const Word* p = tile + ((bin.h0 - y0) * ww + (bin.w0 - x0)) * kPixelWords + lane;
-        scan_staged_bin<kArgmax, V>(p, ww * kPixelWords, bin.h1 - bin.h0, bin.w1 - bin.w0, bin.h0 * width + bin.w0,
-                           width, best, best_i);
+      if (bin.at >= 0) {
+        const Word* p = tile + bin.at + lane;
+        if constexpr (kArgmax) {
+          scan_staged_bin<V>(p, ww * kPixelWords, bin.rows, bin.cols, bin.idx, width, best, best_i);
+        } else {
+          values_staged_bin<V>(p, ww * kPixelWords, bin.rows, bin.cols, best);
+        }
       } else {  // past the window: the same scan over global memory
-        for (int h = bin.h0; h < bin.h1; ++h) {
+        const int h0 = bin.idx / width, w0 = bin.idx - h0 * width;
+        for (int h = h0; h < h0 + bin.rows; ++h) {
           const scalar_t* src = image + static_cast<int64_t>(h) * sh.s_h;
-          for (int w = bin.w0; w < bin.w1; ++w) {
+          for (int w = w0; w < w0 + bin.cols; ++w) {
             take_pixels<1, V, acc_t>([&](int) {
               Word wd;
 #pragma unroll
@@ -517,7 +606,7 @@ __global__ void __launch_bounds__(kTileThreads, 1) roi_pool_tile_forward_kernel(
           }
         }
       }
-      const int64_t o = static_cast<int64_t>(bin.k) * sh.channels * bins + (c0 + lane * V) * o_sc + bin.r * o_sr;
+      const int64_t o = bin.out + (c0 + lane * V) * o_sc;
       if (V > 1 && o_sc == 1 && sh.channels % V == 0 && lane * V + V <= nc) {
         // the lane's channels side by side ([K, bins, C] with C even, so o is even): one store
         // of its word and one of its indices, half the L2 sectors of a store per element
