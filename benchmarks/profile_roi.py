@@ -206,11 +206,13 @@ def deterministic_times(sizes=(7, 14), runs=50):
             )
 
 
-def _pool_inputs(dtypes, sizes):
+def _pool_inputs(dtypes, sizes, channels_last=False):
     """(dtype name, output size, map, RoIs) for each dtype and size: the benchmark inputs
-    (seeded) in that dtype."""
+    (seeded) in that dtype, the map in channels_last memory where asked."""
     torch.manual_seed(0)
     x = torch.randn(2, 256, 200, 304, device="cuda")
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
     for dname in dtypes:
         xd, rd = x.to(DTYPES[dname]), rois.to(DTYPES[dname])
@@ -241,13 +243,14 @@ def _kernel_times(fn, calls=10):
     return sorted(kernels.items(), key=lambda kv: -kv[1])
 
 
-def pool_forward_times(dtypes=("fp32", "fp16", "bf16"), sizes=(7, 14)):
+def pool_forward_times(dtypes=("fp32", "fp16", "bf16"), sizes=(7, 14), channels_last=False):
     """roi_pool's forward on the benchmark inputs, per dtype and output size: the op with argmax
     (torch.ops.detops.roi_pool, what an input that needs a gradient runs), detops.ops.roi_pool on
     an input that needs none (no argmax), and torchvision's: the GPU time per call queued behind
     a sleep (queued_times), one call timed alone, the host's issue time, and the kernels of a
-    call."""
-    for dname, size, xd, rd in _pool_inputs(dtypes, sizes):
+    call. channels_last: the map in channels_last memory."""
+    layout = ", channels_last" if channels_last else ""
+    for dname, size, xd, rd in _pool_inputs(dtypes, sizes, channels_last):
         variants = {
             "with argmax": lambda: torch.ops.detops.roi_pool(xd, rd, 0.25, size, size),
             "without argmax": lambda: detops.ops.roi_pool(xd, rd, size, 0.25),
@@ -256,7 +259,7 @@ def pool_forward_times(dtypes=("fp32", "fp16", "bf16"), sizes=(7, 14)):
             variants["torchvision"] = lambda: torchvision.ops.roi_pool(xd, rd, size, 0.25)
         for name, fn in variants.items():
             issue, queued, alone = _queued_and_alone(fn)
-            print(f"| roi_pool fwd {name}, {dname}, {size}x{size} | queued {queued:.1f} µs | alone {alone:.1f} µs | "
+            print(f"| roi_pool fwd {name}, {dname}, {size}x{size}{layout} | queued {queued:.1f} µs | alone {alone:.1f} µs | "
                   f"host issue {issue:.1f} µs |", flush=True)
             if name != "torchvision":
                 for kname, t in _kernel_times(fn):
@@ -292,6 +295,7 @@ def main():
     p.add_argument("--deterministic", action="store_true", help="backward and forward+backward, atomic and deterministic")
     p.add_argument("--pool-backward", action="store_true", help="roi_pool's backward alone per dtype and size, and its kernels")
     p.add_argument("--pool-forward", action="store_true", help="roi_pool's forward with and without argmax, and torchvision's")
+    p.add_argument("--channels-last", action="store_true", help="with --pool-forward: the map in channels_last memory")
     a = p.parse_args()
     if a.host:
         host_overhead(dtypes=tuple(a.dtypes.split(",")))
@@ -306,7 +310,7 @@ def main():
         pool_backward_times(tuple(a.dtypes.split(",")), tuple(int(v) for v in a.sizes.split(",")))
         return
     if a.pool_forward:
-        pool_forward_times(tuple(a.dtypes.split(",")), tuple(int(v) for v in a.sizes.split(",")))
+        pool_forward_times(tuple(a.dtypes.split(",")), tuple(int(v) for v in a.sizes.split(",")), a.channels_last)
         return
     sizes = tuple(int(v) for v in a.sizes.split(","))
     for name, (kernel, fn) in cases(a.only_forward, tuple(a.dtypes.split(",")), sizes).items():

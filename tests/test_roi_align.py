@@ -906,8 +906,11 @@ def test_cuda_band_backward_sliced_or_overlapping(dtype, size, sliced):
 @pytest.mark.cuda
 def test_cuda_band_backward_more_bands_than_sliced_lists_hold():
     # A 16-bit map of more than 255 bands without overlap (4600 rows, 17 rows a band on a
-    # 400-wide map) takes the overlapping bands and a float32 buffer instead; RoIs of every
-    # height, some taller than a band, some partly off the map.
+    # 400-wide map) takes the overlapping bands and a float32 buffer instead (its tail kernel
+    # and zeroed shared rows run); RoIs of every height, some taller than a band, some partly
+    # off the map.
+    from torch.profiler import ProfilerActivity, profile
+
     from detops.ops._utils import roi_kernel
 
     g = torch.Generator().manual_seed(3)
@@ -917,9 +920,13 @@ def test_cuda_band_backward_more_bands_than_sliced_lists_hold():
     grads = {}
     for kernel in ("band", "gather"):
         xg = x.clone().requires_grad_()
-        with roi_kernel(kernel):
+        with roi_kernel(kernel), profile(activities=[ProfilerActivity.CUDA]) as prof:
             roi_align(xg, rois, 7, 0.5, 2, True).backward(grad)
+            torch.cuda.synchronize()
         grads[kernel] = xg.grad
+        if kernel == "band":
+            names = " ".join(e.name for e in prof.events())
+            assert "band_backward_rotated" in names and "band_tail" in names and "zero_shared_rows" in names, names
     gs = max(1.0, grads["gather"].float().abs().max().item())
     tol = LOW_TOL[torch.float16]
     torch.testing.assert_close(grads["band"].float(), grads["gather"].float(), rtol=tol, atol=2 * tol * gs)

@@ -475,9 +475,21 @@ __device__ __forceinline__ void stage_window(
     return image + static_cast<int64_t>(y0 + r) * sh.s_h + static_cast<int64_t>(x0 + x) * sh.s_w;
   };
   if (sh.channels_inner) {
-    const int lane = threadIdx.x % 32;
-    for (int p = threadIdx.x / 32; p < npix; p += kTileWarps) {
-      if (lane < words) stage_word<scalar_t>(tile + p * kPixelWords + lane, pixel(p) + lane * V * sh.s_c, sh.s_c, lane * V, nc);
+    // A warp takes pixels warp, warp + kTileWarps, ...: each one's row and column follow from
+    // the last one's. A division per pixel was most of this loop's instructions, issued while
+    // the block has nothing else to do (BENCHMARKS.md, "roi_pool tile forward: bins worked out
+    // once, rows without loop overhead").
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int r = warp / ww;
+    int x = warp - r * ww;
+    const scalar_t* src = image + lane * V * sh.s_c + static_cast<int64_t>(y0 + r) * sh.s_h +
+                          static_cast<int64_t>(x0 + x) * sh.s_w;
+    const int64_t step = kTileWarps * sh.s_w, wrap = sh.s_h - ww * sh.s_w;  // next pixel; next row
+    auto* dst = tile + warp * kPixelWords + lane;
+    for (int p = warp; p < npix; p += kTileWarps, dst += kTileWarps * kPixelWords) {
+      if (lane < words) stage_word<scalar_t>(dst, src, sh.s_c, lane * V, nc);
+      src += step;
+      for (x += kTileWarps; x >= ww; x -= ww) src += wrap;
     }
   } else {
     for (int p = threadIdx.x; p < npix; p += blockDim.x) {
