@@ -283,36 +283,34 @@ __device__ __forceinline__ void take_channel(
   best_i = b_i[0];
 }
 
-// Calls f(R, kChunked) (std::integral_constant values) for rows of `cols` pixels: rows of
-// exactly R = cols pixels, all unrolled, up to 8 (every bin of most pooled sizes), and
-// otherwise 8 * (cols / 8) pixels in chunks of 8, then R = cols % 8.
+// Calls f(R, kChunked) (std::integral_constant values) for R = i + 1 (rows of exactly R
+// pixels) or, where kChunked, R = i (rows of chunks of 8 pixels, then R), i in [0, 8).
+template <bool kChunked, typename F>
+__device__ __forceinline__ void with_rest(int i, F&& f) {
+  using std::integral_constant;
+  using C = integral_constant<bool, kChunked>;
+  constexpr int d = kChunked ? 0 : 1;
+  switch (i) {
+    case 0: f(integral_constant<int, 0 + d>{}, C{}); break;
+    case 1: f(integral_constant<int, 1 + d>{}, C{}); break;
+    case 2: f(integral_constant<int, 2 + d>{}, C{}); break;
+    case 3: f(integral_constant<int, 3 + d>{}, C{}); break;
+    case 4: f(integral_constant<int, 4 + d>{}, C{}); break;
+    case 5: f(integral_constant<int, 5 + d>{}, C{}); break;
+    case 6: f(integral_constant<int, 6 + d>{}, C{}); break;
+    default: f(integral_constant<int, 7 + d>{}, C{}); break;
+  }
+}
+
+// Calls f(R, kChunked) for rows of `cols` pixels: rows of exactly R = cols pixels, all
+// unrolled, up to 8 (every bin of most pooled sizes), and otherwise 8 * (cols / 8) pixels in
+// chunks of 8, then R = cols % 8.
 template <typename F>
 __device__ __forceinline__ void with_row_shape(int cols, F&& f) {
-  using std::integral_constant;
-  using Flat = integral_constant<bool, false>;
-  using Chunked = integral_constant<bool, true>;
   if (cols <= 8) {
-    switch (cols) {
-      case 1: f(integral_constant<int, 1>{}, Flat{}); break;
-      case 2: f(integral_constant<int, 2>{}, Flat{}); break;
-      case 3: f(integral_constant<int, 3>{}, Flat{}); break;
-      case 4: f(integral_constant<int, 4>{}, Flat{}); break;
-      case 5: f(integral_constant<int, 5>{}, Flat{}); break;
-      case 6: f(integral_constant<int, 6>{}, Flat{}); break;
-      case 7: f(integral_constant<int, 7>{}, Flat{}); break;
-      default: f(integral_constant<int, 8>{}, Flat{}); break;
-    }
+    with_rest<false>(cols - 1, f);
   } else {
-    switch (cols % 8) {
-      case 0: f(integral_constant<int, 0>{}, Chunked{}); break;
-      case 1: f(integral_constant<int, 1>{}, Chunked{}); break;
-      case 2: f(integral_constant<int, 2>{}, Chunked{}); break;
-      case 3: f(integral_constant<int, 3>{}, Chunked{}); break;
-      case 4: f(integral_constant<int, 4>{}, Chunked{}); break;
-      case 5: f(integral_constant<int, 5>{}, Chunked{}); break;
-      case 6: f(integral_constant<int, 6>{}, Chunked{}); break;
-      default: f(integral_constant<int, 7>{}, Chunked{}); break;
-    }
+    with_rest<true>(cols % 8, f);
   }
 }
 
