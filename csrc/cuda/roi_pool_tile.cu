@@ -24,7 +24,8 @@
 //      sm_80 and newer, in flight while the block works out its bins' places, sizes and output
 //      offsets into shared memory), then scans its bins, a warp taking the next untaken bin
 //      whenever it finishes one. A bin reaching past the staged window is read from global
-//      memory instead (same scan, same result). The block of the extra key writes the empty bins (0, argmax -1);
+//      memory instead (same scan, same result). The block of the extra key writes the empty
+//      bins (0, argmax -1);
 //   4. bins_to_channels_kernel moves the outputs into place. A warp's results are one bin's 32
 //      channels, which lie bins elements apart in [K, C, PH, PW]: written there, each warp
 //      store touches 32 sectors for 128 bytes, and at 14 x 14 those partial sectors kept L2
@@ -401,8 +402,7 @@ __device__ __forceinline__ void scan_staged_bin(
 // it is the lowest value when nothing exceeds that, else the largest number, and a nonzero
 // number has one encoding only. Of a maximum of zero the scan keeps the first zero in
 // row-major order (-0 and +0 never replace each other), so that pixel's value is read back.
-// No row or index is tracked.
-// Rows go as in scan_staged.
+// No row or index is tracked; rows go as in scan_staged.
 template <int V, typename acc_t, typename scalar_t>
 __device__ __forceinline__ void values_staged_bin(
     const plane_band::Lanes<scalar_t, V>* __restrict__ p, int row_words, int rows, int cols, acc_t (&best)[V]) {
