@@ -308,12 +308,14 @@ def strip_rois(batch, height, width, seed):
 
 
 def _cpu_vector_results(x, rois, size, scale):
+    """Per CPU path: (output, argmax) of roi_pool, and the output of _roi_pool_values (which
+    tracks no index in the vector paths)."""
     from detops.ops._utils import cpu_vector
 
     results = {}
     for name in CPU_VECTORS:
         with cpu_vector(name):
-            results[name] = op(x, rois, scale, *size)
+            results[name] = (*op(x, rois, scale, *size), op_values(x, rois, scale, *size))
     return results
 
 
@@ -330,9 +332,10 @@ def test_cpu_vector_paths_ties_nan_and_widths(channels, width):
     for size in [(1, 1), (2, 1), (3, 2), (2, 3), (1, 7)]:
         want = torch.ops.torchvision.roi_pool(x, rois, 1.0, *size)
         for xi in (x, x.contiguous(memory_format=torch.channels_last)):
-            for name, (out, arg) in _cpu_vector_results(xi, rois, size, 1.0).items():
+            for name, (out, arg, values) in _cpu_vector_results(xi, rois, size, 1.0).items():
                 assert torch.equal(out.view(torch.int32), want[0].view(torch.int32)), (name, size)
                 assert torch.equal(arg, want[1].int()), (name, size)
+                assert torch.equal(values.view(torch.int32), want[0].view(torch.int32)), (name, size)
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -347,9 +350,10 @@ def test_cpu_vector_paths_random_rois_and_threads(channels_last):
     try:
         for n in (1, 3):
             torch.set_num_threads(n)
-            for name, (out, arg) in _cpu_vector_results(x, rois, (5, 4), 0.5).items():
+            for name, (out, arg, values) in _cpu_vector_results(x, rois, (5, 4), 0.5).items():
                 assert torch.equal(out.view(torch.int32), want[0].view(torch.int32)), name
                 assert torch.equal(arg, want[1].int()), name
+                assert torch.equal(values.view(torch.int32), want[0].view(torch.int32)), name
     finally:
         torch.set_num_threads(threads)
 

@@ -1,7 +1,8 @@
 // RoIPool (max) forward and backward on the CPU.
 //
 // Forward: one work item per (block of 8 channels, RoI); the RoI's bin windows are computed
-// once per item. _roi_pool_values runs the same code without storing argmax. The input is
+// once per item. _roi_pool_values runs the same code without storing argmax (and, in the
+// vector path, without tracking indices at all: see "two steps" below). The input is
 // read through its strides, so contiguous, channels_last and other strided inputs need no
 // copy. Every path gives geometry::roi_pool_max's value bits and index (row-major order, the
 // first maximum wins, NaN never does):
@@ -71,7 +72,11 @@ constexpr int64_t kChannelBlock = 8;
 //      value m and, of the elements equal to m, the one with the smallest index: the first in
 //      row-major order, the element the serial scan keeps, with its value bits.
 // The vector path runs both steps on vectors of 8 channels: a bin row's column maxima are
-// computed once for all the bins of that row, and each column on its own.
+// computed once for all the bins of that row, and each column on its own. Without argmax it
+// tracks no index: step 1 keeps a column's first maximum from the top with one MAXPS per value
+// (its first operand where greater, else its second, so equal values and NaN never replace
+// the maximum), step 2 takes the largest column maximum, whose bits are the serial scan's
+// unless it is zero: the first zero of the bin in row-major order is then read from the map.
 
 // Pixel windows of one RoI's bins: bin (ph, pw) covers rows [rows[2ph], rows[2ph + 1]) and
 // columns [cols[2pw], cols[2pw + 1]); it is empty when either range is, or when the RoI has
@@ -245,8 +250,9 @@ void roi_pool_forward_typed(
     // vector path: the column maxima of one bin row and the results of one block, channel
     // minor (kChannelBlock entries per column / bin)
     const int64_t lanes = vector_path ? kChannelBlock : 0;
+    const int64_t index_lanes = arg ? lanes : 0;  // the values alone track no index
     std::vector<float> col_max(width * lanes), res(bins * lanes);
-    std::vector<int32_t> col_idx(width * lanes), res_idx(bins * lanes);
+    std::vector<int32_t> col_idx(width * index_lanes), res_idx(bins * index_lanes);
     RoiWindows win(pooled_height, pooled_width);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t k = item % num_rois;
@@ -265,19 +271,16 @@ void roi_pool_forward_typed(
         if (vector_path) {
           const int64_t cb = std::min(c0, channels - kChannelBlock);  // block's first channel
           const float* first = in + box.batch * s_b + cb * s_c;
-#ifdef DETOPS_CPU_AVX2
-          if (path == ForwardPath::kAvx2) {
-            avx2::pool_block(
+          auto block = [&](auto pool_block) {
+            pool_block(
                 first, s_c, s_h, s_w, width, vector_rows, win, pooled_height, pooled_width,
                 col_max.data(), col_idx.data(), res.data(), res_idx.data());
-          }
+          };
+#ifdef DETOPS_CPU_AVX2
+          if (path == ForwardPath::kAvx2) block(a ? avx2::pool_block<true> : avx2::pool_block<false>);
 #endif
 #ifdef DETOPS_CPU_SSE2
-          if (path == ForwardPath::kSse2) {
-            sse2::pool_block(
-                first, s_c, s_h, s_w, width, vector_rows, win, pooled_height, pooled_width,
-                col_max.data(), col_idx.data(), res.data(), res_idx.data());
-          }
+          if (path == ForwardPath::kSse2) block(a ? sse2::pool_block<true> : sse2::pool_block<false>);
 #endif
           for (int64_t c = 0; c < nc; ++c) {
             const int64_t l = c0 - cb + c;

@@ -1,5 +1,8 @@
 // The vector path of the CPU roi_pool forward: all bins of one RoI for a block of 8 float32
-// channels, one channel per lane (the two steps are described in roi_pool.cpp).
+// channels, one channel per lane (the two steps are described in roi_pool.cpp). Without
+// kIndex (the values alone) no index is tracked: step 1 keeps each column's first maximum from
+// the top by MAXPS alone, step 2 takes the largest column maximum, and a bin whose maximum is
+// zero finds its first zero in row-major order in the map (first_zeros), for the sign.
 //
 // No include guard: roi_pool.cpp includes this file once per instruction set, each time inside
 // its own namespace that defines
@@ -12,7 +15,8 @@
 // halves gives one vector per column, a lane per channel. A group that would pass the right
 // edge of the map is moved left to end on it: it recomputes columns that an earlier group
 // holds, with the same result (every column is computed on its own). Columns outside [c0, c1)
-// may be written too, never outside [0, width).
+// may be written too, never outside [0, width). Without kIndex, col_idx is not written.
+template <bool kIndex>
 DETOPS_LANES_FN inline void column_max_rows(
     const float* first_plane, int64_t s_c, int64_t s_h, int64_t width, int64_t h0, int64_t h1,
     int64_t c0, int64_t c1, float* col_max, int32_t* col_idx) {
@@ -27,28 +31,39 @@ DETOPS_LANES_FN inline void column_max_rows(
     I r0 = none, r1 = none, r2 = none, r3 = none;
     const float* p = first_plane + h0 * s_h + g;
     for (int64_t h = h0; h < h1; ++h, p += s_h) {
-      const I idx = Lanes::add(Lanes::fill(static_cast<int32_t>(h * width)), cols);
-      Lanes::keep_greater(Lanes::load_halves(p, p + 4 * s_c), idx, m0, r0);
-      Lanes::keep_greater(Lanes::load_halves(p + s_c, p + 5 * s_c), idx, m1, r1);
-      Lanes::keep_greater(Lanes::load_halves(p + 2 * s_c, p + 6 * s_c), idx, m2, r2);
-      Lanes::keep_greater(Lanes::load_halves(p + 3 * s_c, p + 7 * s_c), idx, m3, r3);
+      if constexpr (kIndex) {
+        const I idx = Lanes::add(Lanes::fill(static_cast<int32_t>(h * width)), cols);
+        Lanes::keep_greater(Lanes::load_halves(p, p + 4 * s_c), idx, m0, r0);
+        Lanes::keep_greater(Lanes::load_halves(p + s_c, p + 5 * s_c), idx, m1, r1);
+        Lanes::keep_greater(Lanes::load_halves(p + 2 * s_c, p + 6 * s_c), idx, m2, r2);
+        Lanes::keep_greater(Lanes::load_halves(p + 3 * s_c, p + 7 * s_c), idx, m3, r3);
+      } else {
+        Lanes::keep_greater(Lanes::load_halves(p, p + 4 * s_c), m0);
+        Lanes::keep_greater(Lanes::load_halves(p + s_c, p + 5 * s_c), m1);
+        Lanes::keep_greater(Lanes::load_halves(p + 2 * s_c, p + 6 * s_c), m2);
+        Lanes::keep_greater(Lanes::load_halves(p + 3 * s_c, p + 7 * s_c), m3);
+      }
     }
     Lanes::transpose4(m0, m1, m2, m3);
-    Lanes::transpose4(r0, r1, r2, r3);
     Lanes::store(col_max + g * kChannelBlock, m0);
     Lanes::store(col_max + (g + 1) * kChannelBlock, m1);
     Lanes::store(col_max + (g + 2) * kChannelBlock, m2);
     Lanes::store(col_max + (g + 3) * kChannelBlock, m3);
-    Lanes::store(col_idx + g * kChannelBlock, r0);
-    Lanes::store(col_idx + (g + 1) * kChannelBlock, r1);
-    Lanes::store(col_idx + (g + 2) * kChannelBlock, r2);
-    Lanes::store(col_idx + (g + 3) * kChannelBlock, r3);
+    if constexpr (kIndex) {
+      Lanes::transpose4(r0, r1, r2, r3);
+      Lanes::store(col_idx + g * kChannelBlock, r0);
+      Lanes::store(col_idx + (g + 1) * kChannelBlock, r1);
+      Lanes::store(col_idx + (g + 2) * kChannelBlock, r2);
+      Lanes::store(col_idx + (g + 3) * kChannelBlock, r3);
+    }
     w = g + 4;
   }
 }
 
 // Step 1 when channels are contiguous (s_c == 1, channels_last): a load is the block's 8
-// channels at one pixel; two columns at a time for independent chains.
+// channels at one pixel; two columns at a time for independent chains. Without kIndex,
+// col_idx is not written.
+template <bool kIndex>
 DETOPS_LANES_FN inline void column_max_channels(
     const float* first_plane, int64_t s_h, int64_t s_w, int64_t width, int64_t h0, int64_t h1,
     int64_t c0, int64_t c1, float* col_max, int32_t* col_idx) {
@@ -63,20 +78,52 @@ DETOPS_LANES_FN inline void column_max_channels(
     const float* p = first_plane + h0 * s_h + w * s_w;
     const float* p2 = first_plane + h0 * s_h + w2 * s_w;
     for (int64_t h = h0; h < h1; ++h, p += s_h, p2 += s_h) {
-      Lanes::keep_greater(Lanes::load(p), Lanes::fill(static_cast<int32_t>(h * width + w)), m, r);
-      Lanes::keep_greater(
-          Lanes::load(p2), Lanes::fill(static_cast<int32_t>(h * width + w2)), m2, r2);
+      if constexpr (kIndex) {
+        Lanes::keep_greater(Lanes::load(p), Lanes::fill(static_cast<int32_t>(h * width + w)), m, r);
+        Lanes::keep_greater(
+            Lanes::load(p2), Lanes::fill(static_cast<int32_t>(h * width + w2)), m2, r2);
+      } else {
+        Lanes::keep_greater(Lanes::load(p), m);
+        Lanes::keep_greater(Lanes::load(p2), m2);
+      }
     }
     Lanes::store(col_max + w * kChannelBlock, m);
-    Lanes::store(col_idx + w * kChannelBlock, r);
     Lanes::store(col_max + w2 * kChannelBlock, m2);
-    Lanes::store(col_idx + w2 * kChannelBlock, r2);
+    if constexpr (kIndex) {
+      Lanes::store(col_idx + w * kChannelBlock, r);
+      Lanes::store(col_idx + w2 * kChannelBlock, r2);
+    }
+  }
+}
+
+// Channels l of `zeros` (a bit per lane) of a bin whose maximum is zero: res[l] = the first
+// zero of window [h0, h1) x [w0, w1) in row-major order (the serial scan's value, sign
+// included; there is one, the maximum is one).
+inline void first_zeros(
+    const float* first_plane, int64_t s_c, int64_t s_h, int64_t s_w, int64_t h0, int64_t h1,
+    int64_t w0, int64_t w1, int zeros, float* res) {
+  for (int l = 0; l < kChannelBlock; ++l) {
+    if (!(zeros >> l & 1)) continue;
+    const float* plane = first_plane + l * s_c;
+    bool found = false;
+    for (int64_t h = h0; h < h1 && !found; ++h) {
+      for (int64_t w = w0; w < w1; ++w) {
+        const float v = plane[h * s_h + w * s_w];
+        if (v == 0.f) {
+          res[l] = v;
+          found = true;
+          break;
+        }
+      }
+    }
   }
 }
 
 // The block's channels l = 0..7 at first_plane + l * s_c: step 1 by rows when `rows`, else by
-// channels; step 2 per bin. Writes bin j of channel l to res[j * 8 + l], res_idx[j * 8 + l].
-// col_max / col_idx hold 8 entries per column of the map.
+// channels; step 2 per bin. Writes bin j of channel l to res[j * 8 + l], and with kIndex its
+// index to res_idx[j * 8 + l]. col_max / col_idx hold 8 entries per column of the map (col_idx
+// and res_idx are not used without kIndex).
+template <bool kIndex>
 DETOPS_LANES_FN inline void pool_block(
     const float* first_plane, int64_t s_c, int64_t s_h, int64_t s_w, int64_t width, bool rows,
     const RoiWindows& win, int64_t pooled_height, int64_t pooled_width, float* col_max,
@@ -89,10 +136,10 @@ DETOPS_LANES_FN inline void pool_block(
     const int64_t h0 = win.rows[2 * ph], h1 = win.rows[2 * ph + 1];
     if (h1 > h0) {
       if (rows) {
-        column_max_rows(
+        column_max_rows<kIndex>(
             first_plane, s_c, s_h, width, h0, h1, win.first_col, win.last_col, col_max, col_idx);
       } else {
-        column_max_channels(
+        column_max_channels<kIndex>(
             first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max, col_idx);
       }
     }
@@ -101,7 +148,20 @@ DETOPS_LANES_FN inline void pool_block(
       const int64_t w0 = win.cols[2 * pw], w1 = win.cols[2 * pw + 1];
       if (h1 <= h0 || w1 <= w0) {
         Lanes::store(res + j * kChannelBlock, Lanes::fill(0.f));
-        Lanes::store(res_idx + j * kChannelBlock, none);
+        if constexpr (kIndex) Lanes::store(res_idx + j * kChannelBlock, none);
+        continue;
+      }
+      if constexpr (!kIndex) {
+        // Nonzero maxima have one encoding each, so the columns' order does not matter.
+        F best = lowest;
+        for (int64_t w = w0; w < w1; ++w) {
+          Lanes::keep_greater(Lanes::load(col_max + w * kChannelBlock), best);
+        }
+        Lanes::store(res + j * kChannelBlock, best);
+        const int zeros = Lanes::zero_lanes(best);
+        if (zeros) {
+          first_zeros(first_plane, s_c, s_h, s_w, h0, h1, w0, w1, zeros, res + j * kChannelBlock);
+        }
         continue;
       }
       // An all-NaN column (maximum roi_pool_lowest, index -1) is never taken: its maximum is

@@ -77,6 +77,17 @@ struct Sse2Lanes {
   static __m128i select(__m128i mask, __m128i a, __m128i b) {
     return _mm_or_si128(_mm_and_si128(mask, a), _mm_andnot_si128(mask, b));
   }
+  // Where v > m: m = v. MAXPS returns its first operand where it is greater and its second
+  // otherwise (NaN in either, or equal values, -0 / +0 included), so m keeps its bits there.
+  static void keep_greater(F v, F& m) {
+    m = {_mm_max_ps(v.lo, m.lo), _mm_max_ps(v.hi, m.hi)};
+  }
+  // Bit l set where lane l of v is zero (either sign).
+  static int zero_lanes(F v) {
+    const __m128 zero = _mm_setzero_ps();
+    return _mm_movemask_ps(_mm_cmpeq_ps(v.lo, zero)) |
+           _mm_movemask_ps(_mm_cmpeq_ps(v.hi, zero)) << 4;
+  }
   // Where v > m: m = v and r = idx.
   static void keep_greater(F v, I idx, F& m, I& r) {
     const __m128 lo = _mm_cmpgt_ps(v.lo, m.lo), hi = _mm_cmpgt_ps(v.hi, m.hi);
@@ -162,6 +173,12 @@ struct Avx2Lanes {
   DETOPS_AVX2_INLINE static I blend(I b, I a, F mask) {  // mask ? a : b
     return _mm256_castps_si256(
         _mm256_blendv_ps(_mm256_castsi256_ps(b), _mm256_castsi256_ps(a), mask));
+  }
+  DETOPS_AVX2_INLINE static void keep_greater(F v, F& m) {  // as Sse2Lanes'
+    m = _mm256_max_ps(v, m);
+  }
+  DETOPS_AVX2_INLINE static int zero_lanes(F v) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_EQ_OQ));
   }
   DETOPS_AVX2_INLINE static void keep_greater(F v, I idx, F& m, I& r) {
     const F greater = _mm256_cmp_ps(v, m, _CMP_GT_OQ);
