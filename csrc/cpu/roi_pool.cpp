@@ -242,10 +242,15 @@ void roi_pool_forward_typed(
   const bool vector_path = path != ForwardPath::kScalar;
 
   // Items run RoI fastest (item = block * K + RoI): a thread's range of items holds RoIs of
-  // all sizes, so equal ranges are about equal work, and it reads few channel planes. Equal
-  // shares, a chunk at a time; threads done early help the others.
+  // all sizes, so equal ranges are about equal work, and it reads few channel planes. With
+  // channels inner (channels_last) they run block fastest (item = RoI * blocks + block)
+  // instead: a block reads 32 bytes of each pixel, so the blocks of one RoI, one after the
+  // other, find its pixels' other channels in cache (BENCHMARKS.md, "CPU roi_pool forward
+  // without argmax: no index tracked"). Equal shares, a chunk at a time; threads done early
+  // help the others.
   const int64_t num_rois = rois.size(0);
   const int64_t items = num_rois * blocks;
+  const bool block_fastest = s_c == 1 && channels > 1;
   cpu::parallel_shares(items, cpu::share_chunk(items, 32), [&](int64_t i0, int64_t i1) {
     // vector path: the column maxima of one bin row and the results of one block, channel
     // minor (kChannelBlock entries per column / bin)
@@ -254,9 +259,10 @@ void roi_pool_forward_typed(
     std::vector<float> col_max(width * lanes), res(bins * lanes);
     std::vector<int32_t> col_idx(width * index_lanes), res_idx(bins * index_lanes);
     RoiWindows win(pooled_height, pooled_width);
+    int64_t win_roi = -1;  // the RoI whose windows `win` holds
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t k = item % num_rois;
-      const int64_t c0 = item / num_rois * kChannelBlock;
+      const int64_t k = block_fastest ? item / blocks : item % num_rois;
+      const int64_t c0 = (block_fastest ? item % blocks : item / num_rois) * kChannelBlock;
       const int64_t nc = std::min(kChannelBlock, channels - c0);
       const auto box = geometry::roi_pool_box_at(r, k, scale, batch, pooled_height, pooled_width);
       scalar_t* o = out + (k * channels + c0) * bins;
@@ -266,7 +272,10 @@ void roi_pool_forward_typed(
         if (a) std::fill(a, a + nc * bins, -1);
         continue;
       }
-      win.set(box, height, width);
+      if (k != win_roi) {
+        win.set(box, height, width);
+        win_roi = k;
+      }
       if constexpr (std::is_same<scalar_t, float>::value) {
         if (vector_path) {
           const int64_t cb = std::min(c0, channels - kChannelBlock);  // block's first channel
