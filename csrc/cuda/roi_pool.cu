@@ -19,8 +19,8 @@
 //     shared sequential scan (roi_pool_max) over each bin of the row.
 // The bin geometry is the one the CPU kernel uses (common/roi_pool_geometry.h).
 // _roi_pool_values (roi_pool's output when no gradient is needed) runs the same kernels without
-// argmax: the tile kernel then skips the second pass of most bins (roi_pool_tile.cu), and
-// nothing stores or transposes indices.
+// argmax: the tile kernel then scans each bin once, tracking no row, and reads it again only
+// when its maximum is zero (roi_pool_tile.cu); nothing stores or transposes indices.
 //
 // Backward, two variants:
 //   * atomic (default): one thread per grad_output element adds it to the argmax pixel of
