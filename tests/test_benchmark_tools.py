@@ -2,14 +2,18 @@
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def hunks(patch_text):
-    """(target path, [(old-side lines of one hunk)]) for each file of a unified diff."""
+    """(target path, [(old-side lines of one hunk)]) for each file of a unified diff; the path
+    is "+" followed by the new path for a file the diff adds."""
     files = []
     for block in re.split(r"^diff --git ", patch_text, flags=re.M)[1:]:
-        target = re.search(r"^--- a/(\S+)$", block, flags=re.M).group(1)
+        changed = re.search(r"^--- a/(\S+)$", block, flags=re.M)
+        target = changed.group(1) if changed else "+" + re.search(r"^\+\+\+ b/(\S+)$", block, flags=re.M).group(1)
         olds = []
         for hunk in re.split(r"^@@ [^\n]*@@[^\n]*\n", block, flags=re.M)[1:]:
             lines = hunk.split("\n")
@@ -18,16 +22,27 @@ def hunks(patch_text):
     return files
 
 
-def test_band_trace_patch_applies_to_the_band_forward():
-    """benchmarks/band_trace.patch instruments roi_align_band.cu: every hunk's context and
-    removed lines must still be in the file, in order, or `git apply` fails on it."""
-    files = hunks((ROOT / "benchmarks" / "band_trace.patch").read_text())
-    assert [target for target, _ in files] == ["csrc/cuda/roi_align_band.cu"]
+@pytest.mark.parametrize(
+    "patch, targets",
+    [
+        ("band_trace.patch", ["csrc/cuda/roi_align_band.cu"]),
+        ("band_tiles.patch", ["+benchmarks/band_tiles.py", "csrc/cuda/roi_align_band.cu"]),
+    ],
+)
+def test_band_patches_apply_to_the_band_forward(patch, targets):
+    """benchmarks/band_trace.patch instruments roi_align_band.cu, band_tiles.patch adds the
+    tiled forward measured in BENCHMARKS.md: every hunk's context and removed lines must still
+    be in the file, in order, and the files they add must not exist, or `git apply` fails."""
+    files = hunks((ROOT / "benchmarks" / patch).read_text())
+    assert [target for target, _ in files] == targets
     for target, olds in files:
+        if target.startswith("+"):
+            assert not (ROOT / target[1:]).exists()
+            continue
         source = (ROOT / target).read_text()
         assert len(olds) >= 4
         for old in olds:
-            assert "\n".join(old) in source, f"band_trace.patch no longer applies to {target}:\n" + "\n".join(old)
+            assert "\n".join(old) in source, f"{patch} no longer applies to {target}:\n" + "\n".join(old)
 
 
 def test_band_staging_matches_the_band_plan():
