@@ -446,6 +446,35 @@ def test_nms_cuda_scores_of_another_dtype():
         assert torch.equal(nms(boxes.cuda(), s.cuda(), 0.5).cpu(), nms(boxes, s, 0.5))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [9001, 3000])
+def test_nms_cuda_radix_ranking_strided_and_mixed_dtypes(n):
+    # Above the counting rank (9001 boxes, an odd count: the batched ranking's 64-bit category
+    # keys then start past an odd number of 32-bit words) and for scores of another dtype than
+    # the boxes (3000 boxes), CUDA NMS ranks by a radix sort of score keys: strided boxes, scores
+    # and 32-bit categories, 16-bit scores, ties, -0.0 and NaN.
+    boxes, scores = clustered_boxes(n, seed=n)
+    scores = (scores * 16).round() / 16
+    scores[::53] = -0.0
+    scores[1::53] = 0.0
+    scores[2::59] = math.nan
+    g = torch.Generator().manual_seed(n)
+    idxs = torch.randint(-4, 5, (n,), generator=g, dtype=torch.int32)
+    boxes_cuda = boxes.cuda().t().contiguous().t()
+    idxs_cuda = torch.stack([idxs, idxs], 1).cuda()[:, 1]
+    assert not boxes_cuda.is_contiguous() and not idxs_cuda.is_contiguous()
+    for sdtype in (torch.float32, torch.bfloat16, torch.float16):
+        s = scores.to(sdtype)
+        s_cuda = torch.stack([s, s], 1).cuda()[:, 0]
+        assert not s_cuda.is_contiguous()
+        got = nms(boxes_cuda, s_cuda, 0.5).cpu()
+        assert torch.equal(got, nms(boxes, s, 0.5)), sdtype
+        assert torch.equal(got, ref.nms(boxes, s.float(), 0.5)), sdtype
+        got = batched_nms(boxes_cuda, s_cuda, idxs_cuda, 0.5).cpu()
+        assert torch.equal(got, batched_nms(boxes, s, idxs, 0.5)), sdtype
+        assert torch.equal(got, ref.batched_nms(boxes, s.float(), idxs.long(), 0.5)), sdtype
+
+
 def _adversarial_sets(n: int, g: torch.Generator):
     """Inputs of n boxes that stress the CPU grid pass (segments of 1024+ boxes)."""
     b, s = random_boxes(n, seed=31)

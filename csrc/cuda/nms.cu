@@ -3,8 +3,9 @@
 // 1. Rank boxes by score (descending, ties by index). Batched NMS then groups the ranking by
 //    category (stable), so each category is a contiguous run of positions. Up to kMaxCountRank
 //    boxes (max_count_rank_batched with categories) one kernel counts, for each box, the boxes
-//    ahead of it (nms_rank.cuh) and writes the ranked boxes; larger inputs use torch's stable
-//    sort (twice with categories) and nms_prepare_kernel.
+//    ahead of it (nms_rank.cuh) and writes the ranked boxes. Larger inputs are ranked by cub's
+//    stable radix sort of 32-bit score keys (then of the categories, batched) and
+//    nms_prepare_sorted_kernel; float64 scores by torch's stable sort and nms_prepare_kernel.
 // 2. nms_mask_kernel: for every 64x64 tile on or below the diagonal, one bit per pair (row box,
 //    earlier column box) whose IoU exceeds the threshold. A block per row tile and column
 //    stride holds its row boxes in registers and walks its column tiles; intersecting pairs
@@ -36,6 +37,7 @@
 #include "../common/checks.h"
 #include "cuda_helpers.h"
 #include "nms_rank.cuh"
+#include "radix_sort.cuh"
 
 namespace detops {
 namespace ops {
@@ -227,6 +229,67 @@ __global__ void nms_prepare_kernel(
 #pragma unroll
     for (int c = 0; c < 4; ++c) sorted_boxes[p * 4 + c] = static_cast<acc_t>(b[c * stride1]);
     valid[p] = !score_is_nan_by_rank[rank ? rank[p] : p];
+  }
+}
+
+// Larger inputs with scores of float precision or less are ranked by cub's radix sort (see
+// rank_by_radix_sort): the keys of nms_rank.cuh's score_key, inverted, so that an ascending
+// stable sort gives the counting rank's order (higher scores first, equal scores by index, NaN
+// last), with 32-bit indices as values.
+template <typename score_t>
+__global__ void nms_score_keys_kernel(
+    int64_t n, const score_t* __restrict__ scores, int64_t stride, uint32_t* __restrict__ keys,
+    int32_t* __restrict__ index) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    keys[i] = ~score_key(static_cast<float>(scores[i * stride]));
+    index[i] = static_cast<int32_t>(i);
+  }
+}
+
+// The key of a NaN score, which no number's key equals.
+constexpr uint32_t kNaNScoreKey = ~uint32_t{0};
+
+// Batched NMS: the category of each rank as a key that sorts as the int64 does (its sign bit
+// flipped), with the rank as value.
+__global__ void nms_category_keys_kernel(
+    int64_t n, const int32_t* __restrict__ order, const int64_t* __restrict__ cls, int64_t stride,
+    uint64_t* __restrict__ keys, int32_t* __restrict__ rank) {
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < n;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    keys[r] = static_cast<uint64_t>(cls[order[r] * stride]) ^ (uint64_t{1} << 63);
+    rank[r] = static_cast<int32_t>(r);
+  }
+}
+
+// nms_prepare_kernel for a ranking by rank_by_radix_sort: order[r] (rank -> original index) and,
+// batched, rank[p] and cls_sorted[p] in 64 bits as the later kernels read them; position p's
+// box and whether its score is a number (its sorted key is not kNaNScoreKey). Also clears the
+// mask's row summaries.
+template <typename scalar_t, typename acc_t>
+__global__ void nms_prepare_sorted_kernel(
+    int64_t n, const scalar_t* __restrict__ boxes, int64_t stride0, int64_t stride1,
+    const uint32_t* __restrict__ score_keys, const int32_t* __restrict__ order32,
+    const int32_t* __restrict__ rank32, const uint64_t* __restrict__ cls_keys, int64_t* __restrict__ order,
+    int64_t* __restrict__ rank, int64_t* __restrict__ cls_sorted, acc_t* __restrict__ sorted_boxes,
+    bool* __restrict__ valid, unsigned long long* __restrict__ summary, int64_t summary_size) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < summary_size;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    summary[i] = 0;
+  }
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < n;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    order[p] = order32[p];
+    int64_t r = p;
+    if (rank32 != nullptr) {
+      r = rank32[p];
+      rank[p] = r;
+      cls_sorted[p] = static_cast<int64_t>(cls_keys[p] ^ (uint64_t{1} << 63));
+    }
+    const scalar_t* b = boxes + static_cast<int64_t>(order32[r]) * stride0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) sorted_boxes[p * 4 + c] = static_cast<acc_t>(b[c * stride1]);
+    valid[p] = score_keys[r] != kNaNScoreKey;
   }
 }
 
@@ -716,6 +779,52 @@ void launch_count_rank<double>(
   TORCH_INTERNAL_ASSERT(false, "detops.nms: float64 scores are ranked by torch's sort");
 }
 
+// Ranks n boxes (scores of float, half or bfloat16) by two stable radix sorts of cub where
+// batched (scores, then categories `idxs` of the ranking), one otherwise, and writes the ranked
+// boxes as nms_prepare_kernel does after torch's sorts: order (rank -> original index), and,
+// batched, rank (position -> rank) and cls_sorted, all int64.
+template <typename box_t, typename acc_t>
+void rank_by_radix_sort(
+    int64_t n, const at::Tensor& scores, const at::Tensor& boxes, const at::Tensor* idxs, int64_t* order,
+    int64_t* rank, int64_t* cls_sorted, acc_t* sorted_boxes, bool* valid, unsigned long long* summary,
+    int64_t summary_size, cudaStream_t stream) {
+  const bool batched = idxs != nullptr;
+  // 32-bit keys, sorted keys, indices and the order; batched also 64-bit category keys (in and
+  // sorted), ranks and sorted ranks
+  const int64_t words = 4 * n + (batched ? 6 * n : 0);  // 4-byte words
+  at::Tensor temp = cuda::empty_written({words}, boxes.options().dtype(at::kInt));
+  auto* base = reinterpret_cast<uint32_t*>(temp.data_ptr<int32_t>());
+  uint32_t* keys = base;
+  uint32_t* keys_sorted = keys + n;
+  auto* index = reinterpret_cast<int32_t*>(keys_sorted + n);
+  int32_t* order32 = index + n;
+  const auto grid = cuda::grid_for(n, kPrepareThreads);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "detops.nms", [&] {  // not float64
+    nms_score_keys_kernel<scalar_t><<<grid, kPrepareThreads, 0, stream>>>(
+        n, scores.const_data_ptr<scalar_t>(), scores.stride(0), keys, index);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cuda::sort_pairs(keys, keys_sorted, index, order32, n, ~uint32_t{0}, boxes.device(), stream);
+  int32_t* rank32 = nullptr;
+  uint64_t* cls_keys = nullptr;
+  if (batched) {
+    // 8-byte aligned: 4 * n words come before them
+    auto* cls_in = reinterpret_cast<uint64_t*>(order32 + n);
+    cls_keys = cls_in + n;
+    auto* ranks_in = reinterpret_cast<int32_t*>(cls_keys + n);
+    rank32 = ranks_in + n;
+    const at::Tensor cls = idxs->to(at::kLong);
+    nms_category_keys_kernel<<<grid, kPrepareThreads, 0, stream>>>(
+        n, order32, cls.const_data_ptr<int64_t>(), cls.stride(0), cls_in, ranks_in);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cuda::sort_pairs(cls_in, cls_keys, ranks_in, rank32, n, ~uint64_t{0}, boxes.device(), stream);
+  }
+  nms_prepare_sorted_kernel<box_t, acc_t><<<cuda::grid_for(std::max(n, summary_size), kPrepareThreads), kPrepareThreads, 0, stream>>>(
+      n, boxes.const_data_ptr<box_t>(), boxes.stride(0), boxes.stride(1), keys_sorted, order32, rank32, cls_keys,
+      order, rank, cls_sorted, sorted_boxes, valid, summary, summary_size);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Batched NMS counts up to this many boxes: their categories and keys, 12 bytes a box, in the
 // block's shared memory beside 2 KiB of partial counts (8192 from 100 KiB per block on).
 int64_t max_count_rank_batched(const cudaDeviceProp* props) {
@@ -755,6 +864,9 @@ at::Tensor nms_cuda_impl(
   // Small inputs whose scores have float precision or less are ranked by counting.
   const bool count_rank = n <= (batched ? max_count_rank_batched(props) : kMaxCountRank) &&
                           scores.scalar_type() == boxes.scalar_type() && boxes.scalar_type() != at::kDouble;
+  // Otherwise scores of float precision or less are ranked by cub's radix sort, float64 ones by
+  // torch's sort.
+  const bool radix_rank = !count_rank && scores.scalar_type() != at::kDouble;
 
   at::Tensor order;     // rank -> original index (torch's sort)
   at::Tensor rank;      // position -> rank (batched NMS, torch's sort)
@@ -763,12 +875,13 @@ at::Tensor nms_cuda_impl(
   const int64_t summary_size = summary_words(n);
   const int64_t acc_size = boxes.scalar_type() == at::kDouble ? 8 : 4;
   // One scratch allocation: mask, row summaries, `kept` and `decided` words (one per tile
-  // each; batched NMS also kept ranks), the counting rank's order (batched NMS: also rank and
-  // cls_sorted), ranked boxes (aligned for vector loads) and the valid flags.
+  // each; batched NMS also kept ranks), the counting or radix rank's order (batched NMS: also
+  // rank and cls_sorted), ranked boxes (aligned for vector loads) and the valid flags.
   const int64_t off_summary = mask_words(n);
   const int64_t off_flags = off_summary + summary_size;
   const int64_t off_order = off_flags + (batched ? 3 : 2) * tiles;
-  const int64_t off_boxes = cuda::round_up(off_order + (count_rank ? (batched ? 3 : 1) * n : 0), 4);  // 32-byte aligned
+  const int64_t off_boxes =
+      cuda::round_up(off_order + (count_rank || radix_rank ? (batched ? 3 : 1) * n : 0), 4);  // 32-byte aligned
   const int64_t off_valid = off_boxes + cuda::ceil_div(4 * n * acc_size, 8);
   const int64_t scratch_size = off_valid + cuda::ceil_div(n, 8);
   at::Tensor scratch = at::empty({scratch_size}, long_opts);
@@ -794,6 +907,14 @@ at::Tensor nms_cuda_impl(
           summary_size, stream);
       rank_ptr = counted_rank;
       cls_ptr = counted_cls;
+    } else if (radix_rank) {
+      int64_t* const sorted_rank = batched ? base + off_order + n : nullptr;
+      int64_t* const sorted_cls = batched ? base + off_order + 2 * n : nullptr;
+      rank_by_radix_sort<scalar_t, acc_t>(
+          n, scores, boxes, idxs, base + off_order, sorted_rank, sorted_cls, sorted_boxes, valid_mut, summary_ptr,
+          summary_size, stream);
+      rank_ptr = sorted_rank;
+      cls_ptr = sorted_cls;
     } else {
       auto sorted_scores = scores.sort(/*stable=*/true, 0, /*descending=*/true);
       order = std::get<1>(sorted_scores);
