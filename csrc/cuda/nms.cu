@@ -210,6 +210,14 @@ __global__ void __launch_bounds__(kRankWarps * 32) nms_batched_rank_kernel(
   }
 }
 
+// Zeroes the mask's row summaries (a grid-stride loop of the prepare kernels).
+__device__ __forceinline__ void clear_summary(unsigned long long* __restrict__ summary, int64_t summary_size) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < summary_size;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    summary[i] = 0;
+  }
+}
+
 // Position p's box, converted to the accumulation type, and whether its score is a number.
 // Boxes may be strided; `rank` maps positions to ranks (nullptr: the same). Also clears the
 // mask's row summaries.
@@ -219,10 +227,7 @@ __global__ void nms_prepare_kernel(
     const int64_t* __restrict__ pos_orig, const int64_t* __restrict__ rank,
     const bool* __restrict__ score_is_nan_by_rank, acc_t* __restrict__ sorted_boxes,
     bool* __restrict__ valid, unsigned long long* __restrict__ summary, int64_t summary_size) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < summary_size;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    summary[i] = 0;
-  }
+  clear_summary(summary, summary_size);
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < n;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const scalar_t* b = boxes + pos_orig[p] * stride0;
@@ -273,10 +278,7 @@ __global__ void nms_prepare_sorted_kernel(
     const int32_t* __restrict__ rank32, const uint64_t* __restrict__ cls_keys, int64_t* __restrict__ order,
     int64_t* __restrict__ rank, int64_t* __restrict__ cls_sorted, acc_t* __restrict__ sorted_boxes,
     bool* __restrict__ valid, unsigned long long* __restrict__ summary, int64_t summary_size) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < summary_size;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    summary[i] = 0;
-  }
+  clear_summary(summary, summary_size);
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < n;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     order[p] = order32[p];
