@@ -449,10 +449,10 @@ def test_nms_cuda_scores_of_another_dtype():
 @pytest.mark.cuda
 @pytest.mark.parametrize("n", [9001, 3000])
 def test_nms_cuda_radix_ranking_strided_and_mixed_dtypes(n):
-    # Above the counting rank (9001 boxes, an odd count: the batched ranking's 64-bit category
-    # keys then start past an odd number of 32-bit words) and for scores of another dtype than
-    # the boxes (3000 boxes), CUDA NMS ranks by a radix sort of score keys: strided boxes, scores
-    # and 32-bit categories, 16-bit scores, ties, -0.0 and NaN.
+    # Above the counting rank (9001 boxes: an odd count, so the alignment of the batched
+    # ranking's 64-bit category keys among its 32-bit buffers cannot rest on an even count) and
+    # for scores of another dtype than the boxes (3000 boxes), CUDA NMS ranks by a radix sort of
+    # score keys: strided boxes, scores and 32-bit categories, 16-bit scores, ties, -0.0 and NaN.
     boxes, scores = clustered_boxes(n, seed=n)
     scores = (scores * 16).round() / 16
     scores[::53] = -0.0
