@@ -134,12 +134,14 @@ def _separate_pairs(seed, scale):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scale", [1.0, 0.001, 1e-12, 1e10])
+@pytest.mark.parametrize("scale", [1.0, 0.001, 1e-12, 1e10, 2.0**-29, 2.0**29])
 def test_nms_decides_ties_and_near_ties_exactly(device, scale):
-    # The CUDA kernels decide most pairs without the division (iou_decided_without_division);
+    # The CUDA kernels decide most pairs without the division (csrc/cuda/nms_tile.cuh);
     # pairs at or a few rounding steps from the threshold must still be decided as the
     # division decides them.
     # Areas below 2^-60 (scale 1e-12) or above 2^60 (1e10) are decided by the division alone.
+    # At scales 2^-29 and 2^29 the smallest or the largest boxes fall just outside the plain
+    # areas [2^-58, 2^58] (iou_plain_box), so tiles mix plain boxes with others.
     boxes, iou = _separate_pairs(seed=5, scale=scale)
     count = iou.numel()
     scores = torch.cat([torch.ones(count), torch.full((count,), 0.5)])

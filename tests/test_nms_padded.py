@@ -11,6 +11,7 @@ from detops.ops import nms, nms_padded
 from detops.reference import nms_padded as ref
 from detops.testing import clustered_boxes, random_boxes
 from tests.conftest import DEVICES
+from tests.test_nms import NEAR_TIE_THRESHOLDS, _separate_pairs
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -133,6 +134,29 @@ def test_score_threshold_is_strict_and_exact(device):
     h = torch.tensor([[0.1, 0.2, 0.3]], dtype=torch.float16, device=device)
     expected = [int(v > 0.2) for v in h[0].double().tolist()]
     assert nms_padded(boxes.half(), h, 0.5, 0.2, 3)[1].item() == sum(expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [1.0, 1e-12, 2.0**-29, 2.0**29])
+def test_iou_ties_and_near_ties_decided_exactly(device, scale):
+    # The CUDA mask kernel decides intersecting pairs of plain boxes without a division
+    # (csrc/cuda/nms_tile.cuh); pairs a few rounding steps from the threshold, and boxes
+    # outside the plain areas (scale 1e-12; at 2^-29 and 2^29 the smallest or largest boxes),
+    # must be decided as the division decides them. Both images hold the same pairs, the
+    # second in reverse order.
+    boxes, iou = _separate_pairs(seed=6, scale=scale)
+    count = iou.numel()
+    scores = torch.cat([torch.ones(count), torch.full((count,), 0.5)])
+    flip = torch.arange(2 * count - 1, -1, -1)
+    batch_boxes = torch.stack([boxes, boxes[flip]]).to(device)
+    batch_scores = torch.stack([scores, scores[flip]]).to(device)
+    for t in NEAR_TIE_THRESHOLDS + [0.25, 0.9]:
+        idx, cnt = nms_padded(batch_boxes, batch_scores, t, 0.0, 2 * count)
+        suppressed = (iou.double() > t).nonzero().flatten() + count
+        keep = sorted(set(range(2 * count)) - set(suppressed.tolist()))
+        assert cnt.tolist() == [len(keep)] * 2, t
+        assert sorted(idx[0, : len(keep)].tolist()) == keep, t
+        assert sorted(idx[1, : len(keep)].tolist()) == sorted(2 * count - 1 - k for k in keep), t
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -123,29 +123,43 @@ DETOPS_HOST_DEVICE_INLINE bool iou_division_free_threshold(T threshold) {
   return threshold >= T(0x1p-10) && threshold < T(1);
 }
 
-// One row of a 64-box NMS mask tile: bit i is set when box (x1, y1, x2, y2) overlaps column
-// box i, for i in [begin, end), by more than the threshold. Column boxes come as arrays (a
-// shared-memory tile on CUDA); with `col_cls`, only columns of category `cls` count. With a
-// threshold >= 0 only intersecting pairs can be above it, so that cheap test comes first and
-// the division is left to the pairs that do intersect.
+// Whether a box is "plain" for iou_decided_plain: x2 > x1, y2 > y1 and an area (box_area) in
+// [2^-58, 2^58]. NaN coordinates or areas fail it.
 template <typename T>
-DETOPS_HOST_DEVICE_INLINE uint64_t overlap_bits(
-    T x1, T y1, T x2, T y2, T area, const T* cx1, const T* cy1, const T* cx2, const T* cy2,
-    const T* carea, int begin, int end, T threshold, const int64_t* col_cls = nullptr,
-    int64_t cls = 0) {
-  const bool need_overlap = threshold >= T(0);
-  uint64_t bits = 0;
-  for (int i = begin; i < end; ++i) {
-    if (col_cls != nullptr && col_cls[i] != cls) continue;
-    if (need_overlap && !(min_of(x2, cx2[i]) > max_of(x1, cx1[i]) &&
-                          min_of(y2, cy2[i]) > max_of(y1, cy1[i]))) {
-      continue;
-    }
-    if (iou_above(x1, y1, x2, y2, area, cx1[i], cy1[i], cx2[i], cy2[i], carea[i], threshold)) {
-      bits |= uint64_t{1} << i;
-    }
-  }
-  return bits;
+DETOPS_HOST_DEVICE_INLINE bool iou_plain_box(T x1, T y1, T x2, T y2, T area) {
+  return x2 > x1 && y2 > y1 && area >= T(0x1p-58) && area <= T(0x1p58);
+}
+
+// iou_decided_without_division for two plain boxes (iou_plain_box) that pass the intersection
+// test (a.x2 > b.x1, b.x2 > a.x1, and the same in y), without its clamps and its union range
+// check, which such pairs never need:
+// - w = min(x2) - max(x1) is positive: each of the four differences it may be is (two by the
+//   boxes, two by the test), so it equals the clamped w; likewise h.
+// - inter = w * h rounded is at most each area (w and h are at most each box's own sides,
+//   rounded the same way, and rounding is monotonic), so with M = max(area_a, area_b),
+//   s = area_a + area_b rounded is at least M and uni = s - inter rounded is at least
+//   M (1 - 2^-23) rounded, above M / 2 >= 2^-59; and uni <= s <= 2M <= 2^59. So uni is
+//   always in iou_decided_without_division's range [2^-60, 2^60].
+// The arithmetic of inter, uni, r and delta is iou_decided_without_division's, operation for
+// operation, so a decided pair is decided the same way, hence as iou_above decides it.
+// Returns false for the pairs within delta of the boundary, left to iou_above.
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE bool iou_decided_plain(
+    T ax1, T ay1, T ax2, T ay2, T area_a,
+    T bx1, T by1, T bx2, T by2, T area_b,
+    T threshold, bool& above) {
+  using std::fabs;
+  using std::fma;
+  using std::fmax;
+  using std::fmin;
+  const T w = fmin(ax2, bx2) - fmax(ax1, bx1);
+  const T h = fmin(ay2, by2) - fmax(ay1, by1);
+  const T inter = mul_rn(w, h);
+  const T uni = add_rn(area_a, area_b) - inter;
+  const T r = fma(-threshold, uni, inter);
+  const T delta = uni * (T(8) * std::numeric_limits<T>::epsilon());
+  above = r > delta;
+  return fabs(r) > delta;
 }
 
 // The threshold in T such that, for every value v of type T, `v > t` holds exactly when

@@ -9,7 +9,7 @@
 // 2. nms_mask_kernel: for every 64x64 tile on or below the diagonal, one bit per pair (row box,
 //    earlier column box) whose IoU exceeds the threshold. A block per row tile and column
 //    stride holds its row boxes in registers and walks its column tiles; intersecting pairs
-//    are decided mostly without a division (iou_decided_without_division). Only nonzero words
+//    are decided mostly without a division (nms_tile.cuh). Only nonzero words
 //    are written, and each sets a bit in its row's summary, so later passes read only those
 //    words. Tiles whose row and column boxes share no category are never visited.
 // 3. The greedy pass. Up to kMaxBlockPass boxes (not batched), nms_block_pass_kernel: one block
@@ -37,6 +37,7 @@
 #include "../common/checks.h"
 #include "cuda_helpers.h"
 #include "nms_rank.cuh"
+#include "nms_tile.cuh"
 #include "radix_sort.cuh"
 
 namespace detops {
@@ -48,8 +49,9 @@ using nms_rank::block_count_rank;
 using nms_rank::kMaxCountRank;
 using nms_rank::kRankWarps;
 using nms_rank::score_key;
-
-constexpr int kTile = 64;
+using nms_tile::bit_range;
+using nms_tile::Box4;
+using nms_tile::kTile;
 constexpr int kPrepareThreads = 256;
 constexpr int kFixThreads = 512;
 constexpr int kPassThreads = 1024;      // the one-block pass
@@ -295,19 +297,6 @@ __global__ void nms_prepare_sorted_kernel(
   }
 }
 
-// A box as one aligned vector, so that a shared-memory tile serves it in one load.
-template <typename T>
-struct alignas(4 * sizeof(T)) Box4 {
-  T x1, y1, x2, y2;
-};
-
-// Bits [begin, end) of a 64-bit word.
-__device__ __forceinline__ uint64_t bit_range(int begin, int end) {
-  if (begin >= end) return 0;
-  const uint64_t below_end = end >= 64 ? ~0ULL : (1ULL << end) - 1;
-  return below_end & (~0ULL << begin);
-}
-
 // The 64x64 tiles (row tile >= column tile) of the lower-triangular suppression mask: bit i of
 // row j's word for column tile c says that box c * 64 + i ranks before j and overlaps it by
 // more than the threshold. Block (w, y) takes row tile r = tiles - 1 - y (the longest rows
@@ -315,9 +304,8 @@ __device__ __forceinline__ uint64_t bit_range(int begin, int end) {
 // held in registers. With categories (positions grouped by category, ascending), a column
 // tile whose last category is below the row tile's first holds no pair, and neither does any
 // tile before it, so the block stops there; within a tile a row's columns of its own category
-// are one range. A pair is first tested for intersection (four comparisons; an IoU above a
-// threshold >= 0 needs one), then decided by iou_decided_without_division (thresholds in
-// [2^-10, 1)) or, for the rare pairs it leaves and other thresholds, by iou_above's division.
+// are one range. Each row's word is nms_tile::overlap_word (see nms_tile.cuh): intersecting
+// pairs of plain boxes decided without a division, other rows by the general loop.
 // Only nonzero words are written, and each row's summary word gets its bits once per run of
 // tiles of one word.
 template <typename T, bool kClasses>
@@ -329,8 +317,7 @@ __global__ void __launch_bounds__(kTile) nms_mask_kernel(
   const int64_t row0 = r * kTile;
   const int row_size = static_cast<int>(min(n - row0, static_cast<int64_t>(kTile)));
   const int t = threadIdx.x;
-  __shared__ Box4<T> sbox[kTile];
-  __shared__ T sarea[kTile];
+  __shared__ nms_tile::ColumnTile<T> tile;
   __shared__ int64_t scls[kClasses ? kTile : 1];
 
   const int64_t row = row0 + min(t, row_size - 1);
@@ -338,8 +325,8 @@ __global__ void __launch_bounds__(kTile) nms_mask_kernel(
   const T area = geometry::box_area(rb.x1, rb.y1, rb.x2, rb.y2);
   const int64_t rc = kClasses ? cls[row] : 0;
   const int64_t first_cls = kClasses ? cls[row0] : 0;
-  const bool need_overlap = threshold >= T(0);
   const bool division_free = geometry::iou_division_free_threshold(threshold);
+  const bool plain_row = division_free && geometry::iou_plain_box(rb.x1, rb.y1, rb.x2, rb.y2, area);
   unsigned long long* const srow = summary + summary_row_offset(row);
   int64_t sum_word = -1;
   unsigned long long sum_bits = 0;
@@ -349,13 +336,9 @@ __global__ void __launch_bounds__(kTile) nms_mask_kernel(
     const int col_size = static_cast<int>(min(n - col0, static_cast<int64_t>(kTile)));
     if (kClasses && cls[col0 + col_size - 1] < first_cls) break;
     __syncthreads();  // the previous tile is read
-    if (t < col_size) {
-      const Box4<T> b = boxes[col0 + t];
-      sbox[t] = b;
-      sarea[t] = geometry::box_area(b.x1, b.y1, b.x2, b.y2);
-      if (kClasses) scls[t] = cls[col0 + t];
-    }
-    __syncthreads();
+    const bool plain_column = nms_tile::stage_column(tile, t, t < col_size ? boxes + col0 + t : nullptr);
+    if (kClasses && t < col_size) scls[t] = cls[col0 + t];
+    const bool plain_tile = __syncthreads_and(plain_column);
     if (t >= row_size) continue;
     int begin = 0, end = c == r ? t : col_size;
     if (kClasses && end > 0 && (scls[0] != rc || scls[end - 1] != rc)) {
@@ -375,23 +358,8 @@ __global__ void __launch_bounds__(kTile) nms_mask_kernel(
     }
     const uint64_t valid = bit_range(begin, end);
     if (!valid) continue;
-    uint64_t bits = 0;
-#pragma unroll
-    for (int i = 0; i < kTile; ++i) {
-      const Box4<T> b = sbox[i];
-      // An IoU above a threshold >= 0 needs the boxes to intersect: a warp none of whose rows
-      // meets column i skips it at the cost of four comparisons.
-      if (need_overlap && !(rb.x2 > b.x1 && b.x2 > rb.x1 && rb.y2 > b.y1 && b.y2 > rb.y1)) continue;
-      const T carea = sarea[i];
-      bool above;
-      if (division_free && geometry::iou_decided_without_division(
-                               rb.x1, rb.y1, rb.x2, rb.y2, area, b.x1, b.y1, b.x2, b.y2, carea, threshold, above)) {
-        if (above) bits |= uint64_t{1} << i;
-      } else if (geometry::iou_above(rb.x1, rb.y1, rb.x2, rb.y2, area, b.x1, b.y1, b.x2, b.y2, carea, threshold)) {
-        bits |= uint64_t{1} << i;
-      }
-    }
-    bits &= valid;
+    const uint64_t bits =
+        nms_tile::overlap_word(rb, area, tile, threshold, plain_row && plain_tile, division_free) & valid;
     if (bits) {
       mask[mask_row_offset(row) + c] = bits;
       if (c / 64 != sum_word) {

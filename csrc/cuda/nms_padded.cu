@@ -37,13 +37,14 @@
 #include "../common/nms_padded_checks.h"
 #include "cuda_helpers.h"
 #include "nms_rank.cuh"
+#include "nms_tile.cuh"
 
 namespace detops {
 namespace ops {
 namespace {
 
 constexpr const char* kOp = "detops.nms_padded";
-constexpr int kTile = 64;
+using nms_tile::kTile;
 constexpr int kPrepareThreads = 256;
 constexpr int kGreedyThreads = 512;
 // Suppression words of one image in (static-limit) shared memory: 48 KiB of 64-bit words.
@@ -161,28 +162,20 @@ __global__ void __launch_bounds__(kTile) nms_padded_mask_kernel(
   if (col0 >= nv) return;  // col0 >= row0, so the rows are past nv too (or the tile is unused)
   const int row_size = static_cast<int>(min(nv - row0, static_cast<int64_t>(kTile)));
   const int col_size = static_cast<int>(min(nv - col0, static_cast<int64_t>(kTile)));
-  const T* img = sorted_boxes + b * n * 4;
+  const auto* img = reinterpret_cast<const nms_tile::Box4<T>*>(sorted_boxes) + b * n;
 
-  __shared__ T sx1[kTile], sy1[kTile], sx2[kTile], sy2[kTile], sarea[kTile];
+  __shared__ nms_tile::ColumnTile<T> tile;
   const int t = threadIdx.x;
-  if (t < col_size) {
-    const T* c = img + (col0 + t) * 4;
-    sx1[t] = c[0];
-    sy1[t] = c[1];
-    sx2[t] = c[2];
-    sy2[t] = c[3];
-    sarea[t] = geometry::box_area(c[0], c[1], c[2], c[3]);
-  }
-  __syncthreads();
+  const bool plain_tile = __syncthreads_and(nms_tile::stage_column(tile, t, t < col_size ? img + col0 + t : nullptr));
   if (t >= row_size) return;
 
   const int64_t row = row0 + t;
-  const T* r = img + row * 4;
-  const T x1 = r[0], y1 = r[1], x2 = r[2], y2 = r[3];
-  const T area = geometry::box_area(x1, y1, x2, y2);
-  const uint64_t bits = geometry::overlap_bits(
-      x1, y1, x2, y2, area, sx1, sy1, sx2, sy2, sarea, (row_block == col_block) ? t + 1 : 0, col_size,
-      threshold);
+  const nms_tile::Box4<T> rb = img[row];
+  const T area = geometry::box_area(rb.x1, rb.y1, rb.x2, rb.y2);
+  const bool division_free = geometry::iou_division_free_threshold(threshold);
+  const bool plain = division_free && plain_tile && geometry::iou_plain_box(rb.x1, rb.y1, rb.x2, rb.y2, area);
+  const uint64_t bits = nms_tile::overlap_word(rb, area, tile, threshold, plain, division_free) &
+                        nms_tile::bit_range(row_block == col_block ? t + 1 : 0, col_size);
   mask[(b * n + row) * col_blocks + col_block] = bits;
 }
 
