@@ -100,21 +100,34 @@ DETOPS_HOST_DEVICE_INLINE bool iou_above(
 // max_of, but a NaN coordinate makes the area, hence the union, NaN; other values give
 // iou_above's inter and union bit for bit. The caller checks the threshold's range once.
 template <typename T>
+struct IouMargin {
+  T uni;    // area_a + area_b - inter, as iou_above computes it
+  T r;      // inter - t * uni with one rounding
+  T delta;  // 8 epsilons of uni
+};
+
+// The quantities of the division-free decision for a pair whose intersection has sides w and
+// h (both >= 0).
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE IouMargin<T> iou_margin(T w, T h, T area_a, T area_b, T threshold) {
+  using std::fma;
+  const T inter = mul_rn(w, h);
+  const T uni = add_rn(area_a, area_b) - inter;
+  return {uni, fma(-threshold, uni, inter), uni * (T(8) * std::numeric_limits<T>::epsilon())};
+}
+
+template <typename T>
 DETOPS_HOST_DEVICE_INLINE bool iou_decided_without_division(
     T ax1, T ay1, T ax2, T ay2, T area_a,
     T bx1, T by1, T bx2, T by2, T area_b,
     T threshold, bool& above) {
-  using std::fma;
   using std::fmax;
   using std::fmin;
   const T w = fmax(fmin(ax2, bx2) - fmax(ax1, bx1), T(0));
   const T h = fmax(fmin(ay2, by2) - fmax(ay1, by1), T(0));
-  const T inter = mul_rn(w, h);
-  const T uni = add_rn(area_a, area_b) - inter;
-  const T r = fma(-threshold, uni, inter);
-  const T delta = uni * (T(8) * std::numeric_limits<T>::epsilon());
-  above = r > delta;
-  return uni >= T(0x1p-60) && uni <= T(0x1p60) && (above || r < -delta);
+  const IouMargin<T> m = iou_margin(w, h, area_a, area_b, threshold);
+  above = m.r > m.delta;
+  return m.uni >= T(0x1p-60) && m.uni <= T(0x1p60) && (above || m.r < -m.delta);
 }
 
 // The thresholds for which iou_decided_without_division's bounds hold.
@@ -140,8 +153,8 @@ DETOPS_HOST_DEVICE_INLINE bool iou_plain_box(T x1, T y1, T x2, T y2, T area) {
 //   s = area_a + area_b rounded is at least M and uni = s - inter rounded is at least
 //   M (1 - 2^-23) rounded, above M / 2 >= 2^-59; and uni <= s <= 2M <= 2^59. So uni is
 //   always in iou_decided_without_division's range [2^-60, 2^60].
-// The arithmetic of inter, uni, r and delta is iou_decided_without_division's, operation for
-// operation, so a decided pair is decided the same way, hence as iou_above decides it.
+// inter, uni, r and delta come from the same iou_margin, so a decided pair is decided as
+// iou_decided_without_division decides it, hence as iou_above does.
 // Returns false for the pairs within delta of the boundary, left to iou_above.
 template <typename T>
 DETOPS_HOST_DEVICE_INLINE bool iou_decided_plain(
@@ -149,17 +162,12 @@ DETOPS_HOST_DEVICE_INLINE bool iou_decided_plain(
     T bx1, T by1, T bx2, T by2, T area_b,
     T threshold, bool& above) {
   using std::fabs;
-  using std::fma;
   using std::fmax;
   using std::fmin;
-  const T w = fmin(ax2, bx2) - fmax(ax1, bx1);
-  const T h = fmin(ay2, by2) - fmax(ay1, by1);
-  const T inter = mul_rn(w, h);
-  const T uni = add_rn(area_a, area_b) - inter;
-  const T r = fma(-threshold, uni, inter);
-  const T delta = uni * (T(8) * std::numeric_limits<T>::epsilon());
-  above = r > delta;
-  return fabs(r) > delta;
+  const IouMargin<T> m =
+      iou_margin(fmin(ax2, bx2) - fmax(ax1, bx1), fmin(ay2, by2) - fmax(ay1, by1), area_a, area_b, threshold);
+  above = m.r > m.delta;
+  return fabs(m.r) > m.delta;
 }
 
 // The threshold in T such that, for every value v of type T, `v > t` holds exactly when
