@@ -41,6 +41,11 @@ def _cases():
     ps = torch.cat([p[1] for p in per]).cuda()
     image = torch.arange(8).repeat_interleave(4700).cuda()
     yield "batched_nms 8 x 4.7k", lambda: detops.ops.batched_nms(pb, ps, image, 0.7)
+    # bench_nms's nms_padded case: 8 images x 4700 clustered boxes, score > 0.05, top 1000
+    parts = [clustered_boxes(4700, seed=100 + i) for i in range(8)]
+    qb = torch.stack([p[0] for p in parts]).cuda()
+    qs = torch.stack([p[1] for p in parts]).cuda()
+    yield "nms_padded 8 x 4700", lambda: detops.ops.nms_padded(qb, qs, 0.7, 0.05, 1000)
     x = torch.randn(2, 256, 200, 304, device="cuda")
     rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
     yield "roi_align fwd 7x7", lambda: detops.ops.roi_align(x, rois, 7, 0.25, 2, True)
