@@ -84,6 +84,25 @@ def test_row_equals_nms_cut_to_max_output(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_suppression_across_tiles(device):
+    # 64 disjoint base boxes, each copied (jittered) to random ranks over seven 64-box tiles: a
+    # copy is suppressed by the best copy of its base box, which may lie in any earlier tile, the
+    # one just before included, or in its own tile.
+    g = torch.Generator().manual_seed(0)
+    corner = torch.arange(64, dtype=torch.float32)
+    x1, y1 = (corner % 8) * 20, torch.div(corner, 8, rounding_mode="floor") * 20
+    which = torch.randint(0, 64, (2, 7 * 64), generator=g)
+    boxes = torch.stack([x1[which], y1[which], x1[which] + 10, y1[which] + 10], -1)
+    boxes = boxes + torch.rand(boxes.shape, generator=g) * 0.5  # IoU of two copies > 0.68
+    scores = torch.rand(2, 7 * 64, generator=g)
+    for max_output in (10, 64, 1000):
+        got = nms_padded(boxes.to(device), scores.to(device), 0.5, 0.0, max_output)
+        check(got, torchvision_padded(boxes, scores, 0.5, 0.0, max_output))
+        check(got, ref.nms_padded(boxes, scores, 0.5, 0.0, max_output))
+    assert got[1].tolist() == [len(set(which[b].tolist())) for b in range(2)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_ties_keep_original_order(device):
     boxes, _ = batch_of("random", 2, 600, seed=3)
     scores = torch.randint(0, 4, (2, 600)).float()  # many equal scores

@@ -12,9 +12,11 @@
 //    IoU exceeds the threshold. The grid covers the worst case (all N valid); tiles past
 //    nvalid[b] exit at once and are never read.
 // 6. nms_padded_greedy_kernel: one block per image walks its tiles in order. Warp 0 decides a
-//    tile's 64 boxes in registers (diagonal words travel by shuffle); then all threads OR the
-//    mask words of the rows just kept into the suppression words of later tiles. It stops once
-//    max_output boxes are kept, and writes indices (positions in N), -1 padding and the count.
+//    tile's 64 boxes in registers (diagonal words travel by shuffle, loaded two tiles ahead)
+//    and passes the next two tiles their suppression by the rows just kept through warp-wide
+//    ORs; the other warps OR the kept rows' words into the suppression words of the tiles
+//    after those and write the kept indices (positions in N). It stops once max_output boxes are kept, and
+//    writes -1 padding and the count.
 //
 // Up to nms_rank::kMaxCountRank boxes per image whose scores have the boxes' dtype (float,
 // half or bfloat16), nms_padded_rank_kernel replaces steps 1-4 with one launch: it ranks each
@@ -190,15 +192,35 @@ __device__ __forceinline__ uint64_t lowest_set_bits(uint64_t bits, int count) {
   return out;
 }
 
+// OR of a 64-bit word over the 32 lanes of a warp (all lanes active).
+__device__ __forceinline__ uint64_t warp_or(uint64_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return static_cast<uint64_t>(__reduce_or_sync(0xffffffffu, static_cast<unsigned>(v))) |
+         (static_cast<uint64_t>(__reduce_or_sync(0xffffffffu, static_cast<unsigned>(v >> 32))) << 32);
+#else
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+#endif
+}
+
 // The greedy pass of image b = blockIdx.x, tile by tile, until max_output boxes are kept.
-// Dynamic shared memory: col_blocks suppression words.
+// Dynamic shared memory: the suppression words of the image's tiles (`removed`).
+// Warp 0 decides tile t from registers loaded two tiles ahead: the tile's diagonal words, and
+// each of its rows' words of tiles t + 1 and t + 2. So the suppression of the next two tiles by
+// the rows kept in tile t is an OR across the warp (`carry1`, `carry2`), not a round trip
+// through memory. The other warps take the kept rows' words of the tiles after those: in step
+// t they load tile t - 1's and OR them into `removed` in step t + 1, so their loads' round trip
+// overlaps a step; warp 0 reads those words from tile t + 2 on. They also write the kept
+// indices. One barrier per tile; kept words and rows are double-buffered across it
+// (BENCHMARKS.md, "nms_padded greedy pass").
 __global__ void __launch_bounds__(kGreedyThreads) nms_padded_greedy_kernel(
     int64_t n, int64_t col_blocks, const uint64_t* __restrict__ mask,
     const int64_t* __restrict__ order, const int64_t* __restrict__ nvalid, int64_t max_output,
     int64_t* __restrict__ out, int64_t* __restrict__ counts) {
   extern __shared__ unsigned long long removed[];
-  __shared__ unsigned long long kept_word;
-  __shared__ int kept_rows[kTile];
+  __shared__ unsigned long long kept_word[2];
+  __shared__ int kept_rows[2][kTile];
 
   const int64_t b = blockIdx.x;
   const int64_t nv = nvalid[b];
@@ -206,67 +228,142 @@ __global__ void __launch_bounds__(kGreedyThreads) nms_padded_greedy_kernel(
   const uint64_t* mask_b = mask + b * n * col_blocks;
   const int64_t* order_b = order + b * n;
   int64_t* out_b = out + b * max_output;
-
-  for (int64_t j = threadIdx.x; j < tiles; j += blockDim.x) removed[j] = 0;
-  __syncthreads();
-
   const int lane = threadIdx.x & 31;
   const bool warp0 = threadIdx.x < 32;
-  int64_t total = 0;  // kept so far; the same in every thread
-  for (int64_t blk = 0; blk < tiles && total < max_output; ++blk) {
-    const int64_t base = blk * kTile;
+  const int helper = static_cast<int>(threadIdx.x) - 32, helpers = static_cast<int>(blockDim.x) - 32;
+  // ORs into `removed` as two 32-bit atomics (a 64-bit one is a compare-and-swap loop in
+  // shared memory), each only where it sets a bit.
+  auto* const removed32 = reinterpret_cast<unsigned int*>(removed);
+  auto or_into = [](unsigned int* dst, uint64_t v) {
+    if (static_cast<unsigned int>(v)) atomicOr(dst, static_cast<unsigned int>(v));
+    if (v >> 32) atomicOr(dst + 1, static_cast<unsigned int>(v >> 32));
+  };
+
+#pragma unroll 1
+  for (int64_t j = threadIdx.x; j < tiles; j += blockDim.x) removed[j] = 0;
+  // Row `row`'s word of tile `col` (rows and tiles past the image's boxes: none).
+  auto word = [&](int64_t row, int64_t col) -> uint64_t {
+    return row < nv && col < tiles ? mask_b[row * col_blocks + col] : 0;
+  };
+  // Warp 0's words of a tile: its rows' (lane and lane + 32) diagonal words (d) and words of
+  // the next two tiles (w, x), loaded two tiles ahead.
+  struct TileWords {
+    uint64_t d0 = 0, d1 = 0, w0 = 0, w1 = 0, x0 = 0, x1 = 0;
+  };
+  auto load_words = [&](int64_t t, TileWords& tw) {
+    if (!warp0) return;
+    const int64_t r = t * kTile + lane;
+    tw.d0 = word(r, t);
+    tw.d1 = word(r + 32, t);
+    tw.w0 = word(r, t + 1);
+    tw.w1 = word(r + 32, t + 1);
+    tw.x0 = word(r, t + 2);
+    tw.x1 = word(r + 32, t + 2);
+  };
+  TileWords wa, wb, wc;
+  load_words(0, wa);
+  load_words(1, wb);
+  __syncthreads();
+
+  // Warp 0: tile t's suppression by the rows kept in tiles t - 1 and t - 2 (carry1), and tile
+  // t + 1's by those kept in tile t - 1 (carry2).
+  uint64_t carry1 = 0, carry2 = 0;
+  int64_t total = 0;  // kept in the tiles decided so far; the same in every thread
+  int64_t last = -1;  // the last tile decided
+  // A helper's work left from the step before: two words to OR into `removed` (targets j, j2)
+  // and a kept index to write at `out_at` (-1: none).
+  uint64_t v = 0, v2 = 0;
+  int64_t j = 0, j2 = 0, out_at = -1, index = 0;
+
+  // Decides tile t from `cur`; loads tile t + 2's words into `ahead`. Returns whether to go on.
+  auto step = [&](int64_t t, const TileWords& cur, TileWords& ahead) -> bool {
+    if (t >= tiles || total >= max_output) return false;
     if (warp0) {
-      const int64_t r0 = base + lane, r1 = r0 + 32;
-      const uint64_t d0 = r0 < nv ? mask_b[r0 * col_blocks + blk] : 0;
-      const uint64_t d1 = r1 < nv ? mask_b[r1 * col_blocks + blk] : 0;
-      const int64_t rows = nv - base;  // >= 1
+      load_words(t + 2, ahead);
+      const int64_t rows = nv - t * kTile;  // >= 1
       const uint64_t in_range = rows >= kTile ? ~0ULL : ((1ULL << rows) - 1);
-      uint64_t alive = in_range & ~static_cast<uint64_t>(removed[blk]);
-      const uint64_t nonzero = static_cast<uint64_t>(__ballot_sync(0xffffffffu, d0 != 0)) |
-                               (static_cast<uint64_t>(__ballot_sync(0xffffffffu, d1 != 0)) << 32);
+      uint64_t alive = in_range & ~(static_cast<uint64_t>(removed[t]) | carry1);
+      const uint64_t nonzero = static_cast<uint64_t>(__ballot_sync(0xffffffffu, cur.d0 != 0)) |
+                               (static_cast<uint64_t>(__ballot_sync(0xffffffffu, cur.d1 != 0)) << 32);
       // Diagonal words are upper-triangular (row i only has bits above i): visiting the alive
       // rows with a nonzero word in increasing order decides the tile. `todo` is the same in
       // every lane, so the shuffles below are uniform.
       uint64_t todo = alive & nonzero;
       while (todo) {
         const int bit = __ffsll(static_cast<long long>(todo)) - 1;
-        const uint64_t row = __shfl_sync(0xffffffffu, bit < 32 ? d0 : d1, bit & 31);
+        const uint64_t row = __shfl_sync(0xffffffffu, bit < 32 ? cur.d0 : cur.d1, bit & 31);
         alive &= ~row;
         todo &= ~row & (todo - 1);
       }
       uint64_t kept = alive;
       const int64_t room = max_output - total;  // >= 1
-      const int nk = __popcll(kept);
-      if (nk > room) kept = lowest_set_bits(kept, static_cast<int>(room));
-
+      if (__popcll(kept) > room) kept = lowest_set_bits(kept, static_cast<int>(room));
       const bool k0 = (kept >> lane) & 1ULL, k1 = (kept >> (lane + 32)) & 1ULL;
-      const int i0 = __popcll(kept & ((1ULL << lane) - 1));
-      const int i1 = __popcll(kept & ((1ULL << (lane + 32)) - 1));
-      if (k0) {
-        kept_rows[i0] = lane;
-        out_b[total + i0] = order_b[r0];
+      const int buf = static_cast<int>(t & 1);
+      if (k0) kept_rows[buf][__popcll(kept & ((1ULL << lane) - 1))] = lane;
+      if (k1) kept_rows[buf][__popcll(kept & ((1ULL << (lane + 32)) - 1))] = lane + 32;
+      carry1 = carry2 | warp_or((k0 ? cur.w0 : 0) | (k1 ? cur.w1 : 0));
+      carry2 = warp_or((k0 ? cur.x0 : 0) | (k1 ? cur.x1 : 0));
+      if (lane == 0) kept_word[buf] = kept;
+    } else {
+      // The last step's loads, now arrived: ORs into tiles t + 1 on, and a kept index.
+      or_into(removed32 + 2 * j, v);
+      or_into(removed32 + 2 * j2, v2);
+      if (out_at >= 0) out_b[out_at] = index;
+      v = v2 = 0;
+      out_at = -1;
+      if (t > 0) {
+        // Tile p = t - 1, decided before the last barrier: its kept rows' suppression of tiles
+        // t + 2 on (tiles t and t + 1 get it through warp 0's carries), and its kept indices,
+        // written by the last helpers. The first two words per thread and the index are
+        // loaded now and used in the next step, so the loads' round trip overlaps a step;
+        // any further words (more than two per thread) are ORed now.
+        const int64_t p = t - 1;
+        const int pb = static_cast<int>(p & 1);
+        const int nk = __popcll(kept_word[pb]);
+        const int out_i = helpers - 1 - helper;  // nk <= 64 < helpers
+        if (out_i < nk) {
+          out_at = total - nk + out_i;
+          index = order_b[p * kTile + kept_rows[pb][out_i]];
+        }
+        const int later = static_cast<int>(tiles - t - 2);  // < kMaxColBlocks
+        const int items = later > 0 ? nk * later : 0;
+        auto item_word = [&](int item, int64_t& target) -> uint64_t {
+          if (item >= items) return 0;
+          target = t + 2 + item % later;
+          return mask_b[(p * kTile + kept_rows[pb][item / later]) * col_blocks + target];
+        };
+        v = item_word(helper, j);
+        v2 = item_word(helper + helpers, j2);
+        for (int item = helper + 2 * helpers; item < items; item += 2 * helpers) {
+          int64_t ja = 0, jb = 0;
+          const uint64_t va = item_word(item, ja), vb = item_word(item + helpers, jb);
+          or_into(removed32 + 2 * ja, va);
+          or_into(removed32 + 2 * jb, vb);
+        }
       }
-      if (k1) {
-        kept_rows[i1] = lane + 32;
-        out_b[total + i1] = order_b[r1];
-      }
-      if (lane == 0) kept_word = kept;
     }
     __syncthreads();
-    const int nk = __popcll(kept_word);
-    total += nk;
-    const int64_t later = tiles - blk - 1;  // tiles after this one
-    if (nk > 0 && later > 0 && total < max_output) {
-      const int64_t items = static_cast<int64_t>(nk) * later;
-      for (int64_t item = threadIdx.x; item < items; item += blockDim.x) {
-        const int64_t row = base + kept_rows[item / later];
-        const int64_t j = blk + 1 + item % later;
-        const uint64_t v = mask_b[row * col_blocks + j];
-        if (v) atomicOr(removed + j, static_cast<unsigned long long>(v));
-      }
-    }
-    __syncthreads();
+    total += __popcll(kept_word[t & 1]);
+    last = t;
+    return true;
+  };
+  for (int64_t t = 0;; t += 3) {
+    if (!step(t, wa, wc)) break;
+    if (!step(t + 1, wb, wa)) break;
+    if (!step(t + 2, wc, wb)) break;
   }
+  // A helper's index loaded in the last step (its ORs are no longer needed).
+  if (out_at >= 0) out_b[out_at] = index;
+
+  // The last tile's kept indices, then -1 padding.
+  if (last >= 0) {
+    const int pb = static_cast<int>(last & 1);
+    const int nk = __popcll(kept_word[pb]);
+    const int64_t before = total - nk;
+    for (int i = threadIdx.x; i < nk; i += blockDim.x) out_b[before + i] = order_b[last * kTile + kept_rows[pb][i]];
+  }
+#pragma unroll 1
   for (int64_t k = total + threadIdx.x; k < max_output; k += blockDim.x) out_b[k] = -1;
   if (threadIdx.x == 0) counts[b] = total;
 }
