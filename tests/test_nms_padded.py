@@ -321,6 +321,22 @@ def test_cuda_large_n():
 
 
 @pytest.mark.cuda
+def test_cuda_most_boxes():
+    # 393216 boxes per image, the most the suppression words in shared memory allow (48 KiB of
+    # them, beside the kernel's own shared memory: past the default limit). Disjoint boxes: every
+    # box is kept, so the output is the ranking's first max_output positions. (A 19 GB mask.)
+    n = 6144 * 64
+    g = torch.Generator().manual_seed(0)
+    corner = torch.arange(n, dtype=torch.float32)
+    x1, y1 = (corner % 1024) * 4, torch.div(corner, 1024, rounding_mode="floor") * 4
+    boxes = torch.stack([x1, y1, x1 + 2, y1 + 2], -1)[None]
+    scores = torch.rand(1, n, generator=g)
+    idx, cnt = nms_padded(boxes.cuda(), scores.cuda(), 0.5, max_output=100)
+    assert cnt.tolist() == [100]
+    assert torch.equal(idx.cpu(), scores.sort(dim=1, descending=True, stable=True).indices[:, :100])
+
+
+@pytest.mark.cuda
 def test_cuda_too_many_boxes():
     with pytest.raises(RuntimeError, match="detops.nms_padded: at most 393216 boxes per image on CUDA"):
         nms_padded(torch.rand(1, 393217, 4, device="cuda"), torch.rand(1, 393217, device="cuda"), 0.5)

@@ -475,6 +475,10 @@ std::tuple<at::Tensor, at::Tensor> nms_padded_cuda(
   at::Tensor out = at::empty({batch, max_output}, long_opts);
   at::Tensor counts = at::empty({batch}, long_opts);
   const size_t smem = static_cast<size_t>(col_blocks) * sizeof(unsigned long long);
+  if (smem > 40 * 1024) {  // with the kernel's static shared memory, past the default 48 KiB
+    C10_CUDA_CHECK(cudaFuncSetAttribute(
+        nms_padded_greedy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
   nms_padded_greedy_kernel<<<static_cast<unsigned>(batch), kGreedyThreads, smem, stream>>>(
       n, col_blocks, mask_ptr, order.const_data_ptr<int64_t>(), nvalid.const_data_ptr<int64_t>(),
       max_output, out.data_ptr<int64_t>(), counts.data_ptr<int64_t>());
