@@ -15,8 +15,8 @@
 //    tile's 64 boxes in registers (diagonal words travel by shuffle, loaded two tiles ahead)
 //    and passes the next two tiles their suppression by the rows just kept through warp-wide
 //    ORs; the other warps OR the kept rows' words into the suppression words of the tiles
-//    after those and write the kept indices (positions in N). It stops once max_output boxes are kept, and
-//    writes -1 padding and the count.
+//    after those and write the kept indices (positions in N). It stops once max_output boxes
+//    are kept, and writes -1 padding and the count.
 //
 // Up to nms_rank::kMaxCountRank boxes per image whose scores have the boxes' dtype (float,
 // half or bfloat16), nms_padded_rank_kernel replaces steps 1-4 with one launch: it ranks each
