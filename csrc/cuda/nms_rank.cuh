@@ -3,7 +3,7 @@
 // order of a stable descending sort, computed without one: every rank is independent, so a
 // block of kRankWarps warps ranks 32 entries (one per lane) while its warps count over shares
 // of all the keys, staged in shared memory. n keys cost n * n comparisons: on an H200 about
-// 3 µs at 1k keys and 19 µs at kMaxCountRank, against 11-50 µs for one block's radix sort of
+// 3 µs at 1k keys and 18 µs at kMaxCountRank, against 11-50 µs for one block's radix sort of
 // 1k-4.7k keys (BENCHMARKS.md, "NMS ranking by counting").
 #pragma once
 
@@ -25,24 +25,34 @@ __device__ __forceinline__ uint32_t score_key(float s) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// c + 1 where a + b carries out of 32 bits (`add.cc`, `addc`): for unsigned k and m,
+// k + ~m carries exactly when k > m, and k + (0 - m) exactly when k >= m (m > 0). ptxas adds
+// the carries of two such sums in one instruction: 1.5 instructions a comparison, where a
+// compare, an add and a select took three (BENCHMARKS.md, "Counting by carries").
+__device__ __forceinline__ int add_carry(int c, uint32_t a, uint32_t b) {
+  uint32_t sum;
+  asm("add.cc.u32 %0, %2, %3;\n\taddc.u32 %1, %1, 0;" : "=r"(sum), "+r"(c) : "r"(a), "r"(b));
+  return c;
+}
+
 // Entries ahead of key `mine` among keys [from, to) (multiples of 4): keys above it, or also
 // those equal to it (kOrEqual: they all have lower indices). Every lane reads the same keys.
 template <bool kOrEqual>
 __device__ __forceinline__ int count_ahead(const uint32_t* keys, int from, int to, uint32_t mine) {
   const uint4* k4 = reinterpret_cast<const uint4*>(keys);
-  int c0 = 0, c1 = 0;
+  // kOrEqual with mine == 0: k + 0 never carries, but every key is ahead (returned below)
+  const uint32_t addend = kOrEqual ? 0u - mine : ~mine;
+  int c0 = 0, c1 = 0, c2 = 0, c3 = 0;
 #pragma unroll 4
   for (int q = from / 4; q < to / 4; ++q) {
     const uint4 k = k4[q];
-    if (kOrEqual) {
-      c0 += (k.x >= mine) + (k.y >= mine);
-      c1 += (k.z >= mine) + (k.w >= mine);
-    } else {
-      c0 += (k.x > mine) + (k.y > mine);
-      c1 += (k.z > mine) + (k.w > mine);
-    }
+    c0 = add_carry(c0, k.x, addend);
+    c1 = add_carry(c1, k.y, addend);
+    c2 = add_carry(c2, k.z, addend);
+    c3 = add_carry(c3, k.w, addend);
   }
-  return c0 + c1;
+  if (kOrEqual && mine == 0) return max(to - from, 0);
+  return (c0 + c1) + (c2 + c3);
 }
 
 // The rank of entry group * 32 + lane among keys [0, padded) (padded: a multiple of 32, the
