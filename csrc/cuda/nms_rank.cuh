@@ -30,8 +30,7 @@ __device__ __forceinline__ uint32_t score_key(float s) {
 // the carries of two such sums in one instruction: 1.5 instructions a comparison, where a
 // compare, an add and a select took three (BENCHMARKS.md, "Counting by carries").
 __device__ __forceinline__ int add_carry(int c, uint32_t a, uint32_t b) {
-  uint32_t sum;
-  asm("add.cc.u32 %0, %2, %3;\n\taddc.u32 %1, %1, 0;" : "=r"(sum), "+r"(c) : "r"(a), "r"(b));
+  asm("{\n\t.reg .u32 sum;\n\tadd.cc.u32 sum, %1, %2;\n\taddc.u32 %0, %0, 0;\n\t}" : "+r"(c) : "r"(a), "r"(b));
   return c;
 }
 
