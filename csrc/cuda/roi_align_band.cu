@@ -535,9 +535,63 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
   // last again (staged and computed, not written)
   const float* const lane_planes = input + (b * sh.channels + c0) * plane_size;
   auto plane = [&](int ci, int j) { return lane_planes + min(ci + kLane * half + j, nc - 1) * plane_size; };
-  // stages channels c0 + ci .. c0 + ci + kPixel - 1: a warp per staged row, a lane per half
-  // pixel, so that the warp stores 512 consecutive bytes
+  // stages channels c0 + ci .. c0 + ci + kPixel - 1, a warp per staged row. Where the planes'
+  // pixel pairs are 8-byte aligned (an even width), lane l loads pixels x, x + 1 of the four
+  // planes of half (l >> 2) & 1, x = 2 ((l & 3) + 4 (l >> 3)) + 32 k - s, so that each load reads
+  // 128 bytes of each of two planes, from a 128-byte boundary of the first plane's row (s: its
+  // offset from the boundary, in pixels). The lane stores its two half pixels, pixel x + ((l >>
+  // 1) & 1) first, so that each store's eight lanes of a phase write eight different 16-byte
+  // bank groups. Otherwise a lane per half pixel: each load reads 64 bytes of each of two
+  // planes, and the warp stores 512 consecutive bytes.
+  const bool pairs = sh.width % 2 == 0 && reinterpret_cast<uintptr_t>(input) % 8 == 0;
   auto stage = [&](int ci) {
+    if (pairs) {
+      const int pair_half = (lane >> 2) & 1, first = (lane >> 1) & 1;
+      const float* src[kLane];
+#pragma unroll
+      for (int j = 0; j < kLane; ++j) src[j] = lane_planes + min(ci + kLane * pair_half + j, nc - 1) * plane_size;
+      for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += static_cast<int>(blockDim.x / 32)) {
+        const int64_t row = static_cast<int64_t>(window.first + r) * sh.width;
+        // the row in each plane, as opaque pointers: a load's address is then one wide
+        // multiply-add (the compiler would otherwise rebuild each plane's 64-bit offset)
+        const float* src_row[kLane];
+#pragma unroll
+        for (int j = 0; j < kLane; ++j) {
+          src_row[j] = src[j] + row;
+          asm("" : "+l"(src_row[j]));
+        }
+        const int shift = static_cast<int>((reinterpret_cast<uintptr_t>(src_row[0]) / sizeof(float)) % 32);
+        Half* dst = staged + static_cast<int64_t>(r) * plan.stride * 2 + pair_half;
+        // two steps of 32 pixels at a time, their loads issued before their stores; a pair
+        // before the row's first pixel (or a second step past its end) loads the first pair
+        // of its step (the same 128 bytes) and stores nothing
+        for (int x = 2 * ((lane & 3) + 4 * (lane >> 3)) - shift; x < sh.width; x += 64) {
+          const bool second = x + 32 < sh.width;
+          const int at0 = max(x, 0), at1 = second ? x + 32 : at0;
+          float2 v[2][kLane];
+#pragma unroll
+          for (int j = 0; j < kLane; ++j) {
+            asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v[0][j].x), "=f"(v[0][j].y) : "l"(src_row[j] + at0));
+            asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v[1][j].x), "=f"(v[1][j].y) : "l"(src_row[j] + at1));
+          }
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            Half lo, hi;
+#pragma unroll
+            for (int j = 0; j < kLane; ++j) {
+              lo.v[j] = first ? v[k][j].y : v[k][j].x;
+              hi.v[j] = first ? v[k][j].x : v[k][j].y;
+            }
+            const int xk = x + 32 * k;
+            if (k == 0 ? x >= 0 : second) {
+              dst[2 * (xk + first)] = lo;
+              dst[2 * (xk + 1 - first)] = hi;
+            }
+          }
+        }
+      }
+      return;
+    }
     for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += static_cast<int>(blockDim.x / 32)) {
       const int64_t row = static_cast<int64_t>(window.first + r) * sh.width;
       Half* dst = staged + static_cast<int64_t>(r) * plan.stride * 2 + half;
