@@ -93,9 +93,12 @@ struct alignas(NC * sizeof(T)) Lanes {
 // index r * p.stride + x (p planned for pixels of NC values). All threads of the block take
 // part; the caller synchronizes. Interleaved planes are copied a pixel per lane, so that a
 // warp stores consecutive pixels (no bank conflicts; a lane storing the pixels of its own
-// 16-byte vectors of each plane conflicts four ways, and measured no faster). A single plane
-// whose rows are whole 16-byte vectors is read a vector at a time, four loads per thread in
-// flight, and stored element by element (the shared rows have an odd stride).
+// 16-byte vectors of each plane conflicts four ways, and measured no faster). Four 16-bit
+// planes whose rows are whole 4-byte pairs are copied a pair of pixels per lane, so that each
+// load reads 128 bytes of a plane from a 128-byte boundary of the first plane's row: half the
+// load requests (BENCHMARKS.md, "16-bit band staging by pixel pairs"). A single plane whose
+// rows are whole 16-byte vectors is read a vector at a time, four loads per thread in flight,
+// and stored element by element (the shared rows have an odd stride).
 template <typename T, int NC>
 __device__ __forceinline__ void stage_rows(
     const T* const (&planes)[NC], int width, const BandPlan& p, BandRows rows, T* __restrict__ smem) {
@@ -143,6 +146,56 @@ __device__ __forceinline__ void stage_rows(
     return;
   }
   const int lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if constexpr (sizeof(T) == 2 && NC == 4) {
+    bool pairs = width % 2 == 0;
+#pragma unroll
+    for (int j = 0; j < NC; ++j) pairs = pairs && reinterpret_cast<uintptr_t>(planes[j] + offset) % 4 == 0;
+    if (pairs) {
+      // Lane l takes pair x2 = l - s + 32 k of the row (pixels 2 x2, 2 x2 + 1; s: the first
+      // plane's row start past a 128-byte boundary, in pairs) and stores pixel (l >> 3) & 1 of
+      // it first: the 16 lanes of each 8-byte store phase then write 16 different 8-byte bank
+      // pairs, at either parity of the row's odd stride.
+      const int first = (lane >> 3) & 1;
+      for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += warps) {
+        const int64_t row = offset + static_cast<int64_t>(r) * width;
+        // the row in each plane, as opaque pointers: a load's address is then one wide
+        // multiply-add (the compiler would otherwise rebuild each plane's 64-bit offset)
+        const uint32_t* src[NC];
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+          src[j] = reinterpret_cast<const uint32_t*>(planes[j] + row);
+          asm("" : "+l"(src[j]));
+        }
+        const int shift = static_cast<int>((reinterpret_cast<uintptr_t>(src[0]) / 4) % 32);
+        uint2* dst = reinterpret_cast<uint2*>(dst_pixels + r * p.stride);
+        // two steps of 32 pairs at a time, their loads issued before their stores; a pair
+        // before the row's start (or a second step past its end) loads the row's first pair
+        // and stores nothing
+        for (int x2 = lane - shift; 2 * x2 < width; x2 += 64) {
+          const bool second = 2 * (x2 + 32) < width;
+          const int at0 = max(x2, 0), at1 = second ? x2 + 32 : at0;
+          uint32_t v[2][NC];
+#pragma unroll
+          for (int j = 0; j < NC; ++j) {
+            asm volatile("ld.global.u32 %0, [%1];" : "=r"(v[0][j]) : "l"(src[j] + at0));
+            asm volatile("ld.global.u32 %0, [%1];" : "=r"(v[1][j]) : "l"(src[j] + at1));
+          }
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            // pixel 2 x2 (lo) and 2 x2 + 1 (hi): the low and high halves of the planes' words
+            const uint2 lo{__byte_perm(v[k][0], v[k][1], 0x5410), __byte_perm(v[k][2], v[k][3], 0x5410)};
+            const uint2 hi{__byte_perm(v[k][0], v[k][1], 0x7632), __byte_perm(v[k][2], v[k][3], 0x7632)};
+            const int xk = 2 * (x2 + 32 * k);
+            if (k == 0 ? x2 >= 0 : second) {
+              dst[xk + first] = first ? hi : lo;
+              dst[xk + 1 - first] = first ? lo : hi;
+            }
+          }
+        }
+      }
+      return;
+    }
+  }
   for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += warps) {
     const int64_t row = offset + static_cast<int64_t>(r) * width;
     Pixel* dst = dst_pixels + r * p.stride;
