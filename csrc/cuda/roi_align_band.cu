@@ -534,7 +534,10 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
   // this lane's planes (channels c0 + ci + kLane * half ..); past the group's last channel, the
   // last again (staged and computed, not written)
   const float* const lane_planes = input + (b * sh.channels + c0) * plane_size;
-  auto plane = [&](int ci, int j) { return lane_planes + min(ci + kLane * half + j, nc - 1) * plane_size; };
+  // channel c0 + ci + kLane * h + j (h: the half of a staged pixel, this lane's by default)
+  auto plane = [&](int ci, int j, int h = -1) {
+    return lane_planes + min(ci + kLane * (h < 0 ? half : h) + j, nc - 1) * plane_size;
+  };
   // stages channels c0 + ci .. c0 + ci + kPixel - 1, a warp per staged row. Where the planes'
   // pixel pairs are 8-byte aligned (an even width), lane l loads pixels x, x + 1 of the four
   // planes of half (l >> 2) & 1, x = 2 ((l & 3) + 4 (l >> 3)) + 32 k - s, so that each load reads
@@ -549,7 +552,7 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
       const int pair_half = (lane >> 2) & 1, first = (lane >> 1) & 1;
       const float* src[kLane];
 #pragma unroll
-      for (int j = 0; j < kLane; ++j) src[j] = lane_planes + min(ci + kLane * pair_half + j, nc - 1) * plane_size;
+      for (int j = 0; j < kLane; ++j) src[j] = plane(ci, j, pair_half);
       for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += static_cast<int>(blockDim.x / 32)) {
         const int64_t row = static_cast<int64_t>(window.first + r) * sh.width;
         // the row in each plane, as opaque pointers: a load's address is then one wide
