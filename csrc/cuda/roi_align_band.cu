@@ -613,7 +613,6 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
   if (blk.n == 0) return;
   const int n = blk.n;
   const int pw_n = sh.pooled_width;
-  const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
   const int plane_bins = sh.pooled_height * pw_n;  // at most 64 x 64
   const uint32_t band = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int32_t pitch = plan.stride * kRotatedPixelBytes;  // bytes per staged row
@@ -624,23 +623,52 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
     if (ci > 0 || !early) stage(ci);
     __syncthreads();
     if (ci == 0) prefetch_later_band(input, offsets, sh, plan, discard, ahead);
-    for (ListWalk w(pw_n, static_cast<int>(threadIdx.x >> 1), static_cast<int>(blockDim.x >> 1)); w.e < n;
-         w.next(pw_n)) {
+    // Lane pair (2i, 2i + 1) computes item i of the walk: a bin's eight channels. At sampling
+    // ratio 2 the pair splits the bin's sample rows instead of its channels: lane h takes sample
+    // row h with all eight channels, each of its sample's four loads reading the 16-byte half h
+    // of its pixel and then the other half (the address ^ 16), and the pair swaps the other
+    // half's sums at the end, one shuffle per channel. The rotation, addresses and weights of a
+    // sample then serve eight channels instead of four (14% fewer instructions at 7x7). A load
+    // phase still reads eight different 16-byte bank groups: at load k, lanes h of its four bins
+    // read slot place + k of half h, then of half 1 - h. Other ratios: lane h takes the channels
+    // of half h and every sample (BENCHMARKS.md, "roi_align band forward: a bin's sample rows
+    // split over its lane pair").
+    constexpr bool kSplit = G == 2;
+    const int32_t taps_per_roi = (sh.pooled_height + pw_n) * G;
+    // output element of RoI k, bin (ph, pw) of this lane's first channel: k * per_roi + lane_out
+    // + ph * pw_n + pw (the host keeps channels * bins below 2^31; k * per_roi in 64 bits)
+    const int32_t per_roi = static_cast<int32_t>(sh.channels) * plane_bins;
+    const int32_t lane_out = static_cast<int32_t>(c + kLane * half) * plane_bins;
+    const int left = nc - ci - kLane * half;
+    const int32_t* const list = rows + blk.first_row;
+    // the walk goes on while any lane of the warp has items (a lane pair has as many as its
+    // other lane), so that the lane pairs' swaps see every lane of the warp
+    for (ListWalk w(pw_n, static_cast<int>(threadIdx.x >> 1), static_cast<int>(blockDim.x >> 1));
+         __any_sync(~0u, w.e < n); w.next(pw_n)) {
+      const bool active = w.e < n;
       const int pw = w.pw;
-      const BinRow<float> br = bin_row<float, G>(rows[blk.first_row + w.e], sh, taps);
+      const int32_t listed = active ? list[w.e] : 0;
+      const int32_t k = listed >> plane_band::kRowShift;
+      const int ph = listed & ((1 << plane_band::kRowShift) - 1);
+      const BandTap<float>* const roi_taps = taps + static_cast<int64_t>(k) * taps_per_roi;
       BandTap<float> ty[G], tx[G];
-      load_bin_taps<float, G>(br, pw, sh, ty, tx);
-      float sum[kLane];
+      load_taps<float, G>(roi_taps + ph * G, ty);
+      load_taps<float, G>(roi_taps + (sh.pooled_height + pw) * G, tx);
+      float sum[kLane], other[kLane];
 #pragma unroll
-      for (int j = 0; j < kLane; ++j) sum[j] = 0.f;
-      if (rows_in_window<float, G>(ty, sh.height, window)) {
+      for (int j = 0; j < kLane; ++j) sum[j] = other[j] = 0.f;
+      if (!active) {
+        // past the list (the taps of RoI 0 were read for nothing): only the swap below
+      } else if (rows_in_window<float, G>(ty, sh.height, window)) {
 #pragma unroll
-        for (int iy = 0; iy < G; ++iy) {
-          if (!ty[iy].valid()) continue;
-          const int ry = ty[iy].lo() - window.first;
+        for (int r = 0; r < (kSplit ? G / 2 : G); ++r) {
+          // this lane's sample row: every lane of the warp takes the same steps
+          const BandTap<float> t = kSplit ? (half ? ty[2 * r + 1] : ty[2 * r]) : ty[r];
+          if (!t.valid()) continue;
+          const int ry = t.lo() - window.first;
           const uint32_t rlo = band + static_cast<uint32_t>(ry * pitch + half * 16);
-          const uint32_t rhi = rlo + static_cast<uint32_t>((ty[iy].hi(sh.height) - ty[iy].lo()) * pitch);
-          const float yl = ty[iy].l, yh = ty[iy].h();
+          const uint32_t rhi = rlo + static_cast<uint32_t>((t.hi(sh.height) - t.lo()) * pitch);
+          const float yl = t.l, yh = t.h();
 #pragma unroll
           for (int ix = 0; ix < G; ++ix) {
             if (!tx[ix].valid()) continue;
@@ -652,32 +680,53 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
             const uint32_t col0 = static_cast<uint32_t>((ox ? xhi : xlo) * kRotatedPixelBytes);
             const uint32_t col1 = static_cast<uint32_t>((ox ? xlo : xhi) * kRotatedPixelBytes);
             const float wx0 = ox ? xl : xh, wx1 = ox ? xh : xl;
-            const auto v0 = load_shared_lanes<float, kLane>((oy ? rhi : rlo) + col0);
-            const auto v1 = load_shared_lanes<float, kLane>((oc ? rhi : rlo) + col1);
-            const auto v2 = load_shared_lanes<float, kLane>((oy ? rlo : rhi) + col0);
-            const auto v3 = load_shared_lanes<float, kLane>((oc ? rlo : rhi) + col1);
+            const uint32_t a0 = (oy ? rhi : rlo) + col0, a1 = (oc ? rhi : rlo) + col1;
+            const uint32_t a2 = (oy ? rlo : rhi) + col0, a3 = (oc ? rlo : rhi) + col1;
             const float w0 = (oy ? yl : yh) * wx0, w1 = (oc ? yl : yh) * wx1;
             const float w2 = (oy ? yh : yl) * wx0, w3 = (oc ? yh : yl) * wx1;
+            {
+              const auto v0 = load_shared_lanes<float, kLane>(a0);
+              const auto v1 = load_shared_lanes<float, kLane>(a1);
+              const auto v2 = load_shared_lanes<float, kLane>(a2);
+              const auto v3 = load_shared_lanes<float, kLane>(a3);
 #pragma unroll
-            for (int j = 0; j < kLane; ++j) {
-              sum[j] = fmaf(w0, v0.v[j], sum[j]);
-              sum[j] = fmaf(w1, v1.v[j], sum[j]);
-              sum[j] = fmaf(w2, v2.v[j], sum[j]);
-              sum[j] = fmaf(w3, v3.v[j], sum[j]);
+              for (int j = 0; j < kLane; ++j) {
+                sum[j] = fmaf(w0, v0.v[j], sum[j]);
+                sum[j] = fmaf(w1, v1.v[j], sum[j]);
+                sum[j] = fmaf(w2, v2.v[j], sum[j]);
+                sum[j] = fmaf(w3, v3.v[j], sum[j]);
+              }
+            }
+            if constexpr (kSplit) {
+              const auto v0 = load_shared_lanes<float, kLane>(a0 ^ 16u);
+              const auto v1 = load_shared_lanes<float, kLane>(a1 ^ 16u);
+              const auto v2 = load_shared_lanes<float, kLane>(a2 ^ 16u);
+              const auto v3 = load_shared_lanes<float, kLane>(a3 ^ 16u);
+#pragma unroll
+              for (int j = 0; j < kLane; ++j) {
+                other[j] = fmaf(w0, v0.v[j], other[j]);
+                other[j] = fmaf(w1, v1.v[j], other[j]);
+                other[j] = fmaf(w2, v2.v[j], other[j]);
+                other[j] = fmaf(w3, v3.v[j], other[j]);
+              }
             }
           }
         }
-      } else {  // a bin row taller than the overlap: its pixels from global memory
+      } else {  // a bin row taller than the overlap: its pixels from global memory (lane h: its
+                // half's channels, every sample; nothing to swap)
         PlaneRows<float, kLane> pixels;
         pixels.width = sh.width;
 #pragma unroll
         for (int j = 0; j < kLane; ++j) pixels.plane[j] = plane(ci, j);
         add_samples<float, float, G, kLane>(pixels, ty, tx, sh, sum);
       }
-      // this lane's channels left in the group (kLane or more but in a group's last pixel);
-      // one output address, the next channel's bin a plane of bins further
-      const int left = nc - ci - kLane * half;
-      float* out = output + (br.k * sh.channels + c + kLane * half) * bins + br.ph * pw_n + pw;
+      if constexpr (kSplit) {
+#pragma unroll
+        for (int j = 0; j < kLane; ++j) sum[j] += __shfl_xor_sync(~0u, other[j], 1);
+      }
+      if (!active) continue;
+      float* out = output + (static_cast<uint64_t>(static_cast<uint32_t>(k)) * static_cast<uint32_t>(per_roi) +
+                             static_cast<uint32_t>(lane_out + ph * pw_n + pw));
       if (left >= kLane) {
 #pragma unroll
         for (int j = 0; j < kLane; ++j) out[j * plane_bins] = sum[j] / static_cast<float>(G * G);
@@ -1176,7 +1225,8 @@ bool roi_align_forward_band(
     // few rows. Float bins as tall as 7x7 ones or taller get bands of twice the shared memory,
     // in blocks of kWideBandThreads (one per SM): in bands of 16-byte pixels more of their bin
     // rows would reach past the window and read global memory.
-    BandPlan plan = std::is_same_v<scalar_t, float>
+    // (the rotated kernel finds a RoI's outputs by a 32-bit product: channels x bins below 2^31)
+    BandPlan plan = std::is_same_v<scalar_t, float> && channels * pooled_height * pooled_width < (int64_t{1} << 31)
         ? rotated_plan(batch, height, width, pooled_height, sampling_ratio)
         : BandPlan{};
     const bool rotated = plan.ok;
