@@ -684,32 +684,22 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
             const uint32_t a2 = (oy ? rlo : rhi) + col0, a3 = (oc ? rlo : rhi) + col1;
             const float w0 = (oy ? yl : yh) * wx0, w1 = (oc ? yl : yh) * wx1;
             const float w2 = (oy ? yh : yl) * wx0, w3 = (oc ? yh : yl) * wx1;
-            {
-              const auto v0 = load_shared_lanes<float, kLane>(a0);
-              const auto v1 = load_shared_lanes<float, kLane>(a1);
-              const auto v2 = load_shared_lanes<float, kLane>(a2);
-              const auto v3 = load_shared_lanes<float, kLane>(a3);
+            // the sample's four taps of the pixel halves at a0 ^ flip .. a3 ^ flip, added to acc
+            auto add_taps = [&](float (&acc)[kLane], uint32_t flip) {
+              const auto v0 = load_shared_lanes<float, kLane>(a0 ^ flip);
+              const auto v1 = load_shared_lanes<float, kLane>(a1 ^ flip);
+              const auto v2 = load_shared_lanes<float, kLane>(a2 ^ flip);
+              const auto v3 = load_shared_lanes<float, kLane>(a3 ^ flip);
 #pragma unroll
               for (int j = 0; j < kLane; ++j) {
-                sum[j] = fmaf(w0, v0.v[j], sum[j]);
-                sum[j] = fmaf(w1, v1.v[j], sum[j]);
-                sum[j] = fmaf(w2, v2.v[j], sum[j]);
-                sum[j] = fmaf(w3, v3.v[j], sum[j]);
+                acc[j] = fmaf(w0, v0.v[j], acc[j]);
+                acc[j] = fmaf(w1, v1.v[j], acc[j]);
+                acc[j] = fmaf(w2, v2.v[j], acc[j]);
+                acc[j] = fmaf(w3, v3.v[j], acc[j]);
               }
-            }
-            if constexpr (kSplit) {
-              const auto v0 = load_shared_lanes<float, kLane>(a0 ^ 16u);
-              const auto v1 = load_shared_lanes<float, kLane>(a1 ^ 16u);
-              const auto v2 = load_shared_lanes<float, kLane>(a2 ^ 16u);
-              const auto v3 = load_shared_lanes<float, kLane>(a3 ^ 16u);
-#pragma unroll
-              for (int j = 0; j < kLane; ++j) {
-                other[j] = fmaf(w0, v0.v[j], other[j]);
-                other[j] = fmaf(w1, v1.v[j], other[j]);
-                other[j] = fmaf(w2, v2.v[j], other[j]);
-                other[j] = fmaf(w3, v3.v[j], other[j]);
-              }
-            }
+            };
+            add_taps(sum, 0u);
+            if constexpr (kSplit) add_taps(other, 16u);
           }
         }
       } else {  // a bin row taller than the overlap: its pixels from global memory (lane h: its
