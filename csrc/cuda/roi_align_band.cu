@@ -636,7 +636,7 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
     constexpr bool kSplit = G == 2;
     const int32_t taps_per_roi = (sh.pooled_height + pw_n) * G;
     // output element of RoI k, bin (ph, pw) of this lane's first channel: k * per_roi + lane_out
-    // + ph * pw_n + pw (the host keeps channels * bins below 2^31; k * per_roi in 64 bits)
+    // + ph * pw_n + pw (the host keeps (channels + 8) * bins below 2^31; k * per_roi in 64 bits)
     const int32_t per_roi = static_cast<int32_t>(sh.channels) * plane_bins;
     const int32_t lane_out = static_cast<int32_t>(c + kLane * half) * plane_bins;
     const int left = nc - ci - kLane * half;
@@ -1215,8 +1215,10 @@ bool roi_align_forward_band(
     // few rows. Float bins as tall as 7x7 ones or taller get bands of twice the shared memory,
     // in blocks of kWideBandThreads (one per SM): in bands of 16-byte pixels more of their bin
     // rows would reach past the window and read global memory.
-    // (the rotated kernel finds a RoI's outputs by a 32-bit product: channels x bins below 2^31)
-    BandPlan plan = std::is_same_v<scalar_t, float> && channels * pooled_height * pooled_width < (int64_t{1} << 31)
+    // (the rotated kernel finds a RoI's outputs by 32-bit products: (channels + 8) x bins below
+    // 2^31, the 8 for the lanes past a last, partial group of channels)
+    BandPlan plan = std::is_same_v<scalar_t, float> &&
+            (channels + 8) * pooled_height * pooled_width < (int64_t{1} << 31)
         ? rotated_plan(batch, height, width, pooled_height, sampling_ratio)
         : BandPlan{};
     const bool rotated = plan.ok;
