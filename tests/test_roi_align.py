@@ -307,6 +307,26 @@ def test_autograd_is_cpp():
     torch.testing.assert_close(x.grad, xr.grad, **TOL[torch.float64])
 
 
+def test_graph_only_where_a_gradient_is_needed():
+    # A call that needs no gradient (no input requires one, or grad mode is off) records no
+    # node; one whose input or RoIs require a gradient does, and the same values either way.
+    x = features(batch=1, channels=2, height=6, width=6, dtype=torch.float64)
+    rois = torch.tensor([[0, 0.5, 0.5, 4.0, 3.0]], dtype=torch.float64)
+    plain = roi_align(x, rois, 2, 1.0, 2, False)
+    assert plain.grad_fn is None and not plain.requires_grad
+    xg = x.clone().requires_grad_()
+    with torch.no_grad():
+        off = roi_align(xg, rois, 2, 1.0, 2, False)
+    assert off.grad_fn is None and not off.requires_grad
+    tracked = roi_align(xg, rois, 2, 1.0, 2, False)
+    assert tracked.grad_fn is not None
+    by_rois = roi_align(x, rois.clone().requires_grad_(), 2, 1.0, 2, False)
+    assert by_rois.grad_fn is not None
+    for out in (off, tracked, by_rois):
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(roi_align(xg, rois, 2, 1.0, 2, False), plain, rtol=0, atol=0)
+
 def test_compile_fullgraph_cpu():
     torch._dynamo.reset()
     x = features(batch=2, channels=2, height=8, width=8).requires_grad_()

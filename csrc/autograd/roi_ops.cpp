@@ -174,8 +174,14 @@ class RoIPoolBackwardFunction : public torch::autograd::Function<RoIPoolBackward
 at::Tensor roi_align_autograd(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, c10::SymInt pooled_height,
     c10::SymInt pooled_width, int64_t sampling_ratio, bool aligned) {
-  return RoIAlignFunction::apply(
-      input, rois, spatial_scale, std::move(pooled_height), std::move(pooled_width), sampling_ratio, aligned)[0];
+  if (at::GradMode::is_enabled() && (input.requires_grad() || rois.requires_grad())) {
+    return RoIAlignFunction::apply(
+        input, rois, spatial_scale, std::move(pooled_height), std::move(pooled_width), sampling_ratio, aligned)[0];
+  }
+  // no gradient to track: the kernels without a node, its saved values or their host time
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return roi_align_op().call(
+      input, rois, spatial_scale, std::move(pooled_height), std::move(pooled_width), sampling_ratio, aligned);
 }
 
 at::Tensor roi_align_backward_autograd(
