@@ -307,6 +307,7 @@ def test_autograd_is_cpp():
     torch.testing.assert_close(x.grad, xr.grad, **TOL[torch.float64])
 
 
+
 def test_graph_only_where_a_gradient_is_needed():
     # A call that needs no gradient (no input requires one, or grad mode is off) records no
     # node; one whose input or RoIs require a gradient does, and the same values either way.
@@ -737,6 +738,9 @@ BAND_CASES = {
     "spilling RoIs": (2, 3, 120, 400, 200, 4, 200, 0.5, (3, 5), 4, False),
     "many RoIs": (2, 6, 64, 64, 1200, 1, 20, 0.0, (7, 7), 3, True),
     "taller than the window, sampling ratio 4": (2, 20, 150, 200, 300, 4, 150, 0.3, (3, 3), 4, True),
+    # more bands x chunks of bin rows than the float32 forward ranks in its taps kernel: its
+    # lists come from the one-block grouping instead
+    "many images": (40, 8, 200, 64, 2000, 4, 100, 0.1, (7, 7), 2, True),
 }
 
 
@@ -981,7 +985,9 @@ def test_cuda_band_backward_more_bands_than_sliced_lists_hold():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["few RoIs on a large map", "many RoIs", "odd sizes", "dense, as benchmarked"])
+@pytest.mark.parametrize(
+    "case", ["few RoIs on a large map", "many RoIs", "odd sizes", "many images", "dense, as benchmarked"]
+)
 def test_cuda_band_forward_same_bits_every_call(dtype, case):
     # The float32 band forward adds a bin's terms in an order set by the bin's place in its
     # block's list: the lists are grouped in RoI order, so every call gives the same bits.
@@ -998,6 +1004,25 @@ def test_cuda_band_forward_same_bits_every_call(dtype, case):
         first = roi_align(x, rois, pooled, 0.25, sr, aligned)
         for _ in range(20):
             assert torch.equal(roi_align(x, rois, pooled, 0.25, sr, aligned), first)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case,grouping", [("many RoIs", "group_ranked"), ("many images", "group_by_owner_kernel")])
+def test_cuda_band_forward_lists_grouped_as_planned(case, grouping):
+    # The float32 band forward lists its bin rows from the taps kernel's ranks where chunks x
+    # keys are few enough, else with the one-block grouping; both list them in order.
+    from torch.profiler import ProfilerActivity, profile
+
+    from detops.ops._utils import roi_kernel
+
+    batch, c, h, w, k, lo, hi, spill, pooled, sr, aligned = BAND_CASES[case]
+    x = torch.randn(batch, c, h, w, device="cuda")
+    rois = dense_rois(batch, k, h, w, lo, hi, 0.25, seed=5, spill=spill).float().cuda()
+    with roi_kernel("band"), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        roi_align(x, rois, pooled, 0.25, sr, aligned)
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events())
+    assert "band_forward_rotated" in names and grouping in names, names
 
 
 @pytest.mark.cuda

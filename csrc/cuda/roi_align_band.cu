@@ -14,12 +14,15 @@
 //      batch * bands instead: no band block reads it, the forward's blocks of that key write
 //      its bins as zeros and the backward gives it no gradient. So RoIs far outside the
 //      map (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
-//   2. each block lists the bin rows with its key (for the float32 forward, in bin-row order, so
-//      that its sums, whose order follows the list, give the same bits on every call), then for
-//      each channel of its group (each two, four or eight channels, in the forward) stages the
-//      band and computes the listed bins. On compute capability 9.0 and later the forward is
-//      launched to start while the grouping still runs (plane_band::launch_early): the blocks
-//      of its first wave stage their first band meanwhile, and wait for the lists only then.
+//   2. the bin rows are listed by owner (plane_band::group_by_owner; for the float32 forward in
+//      bin-row order, so that its sums, whose order follows the list, give the same bits on
+//      every call: there, where the sizes allow, the taps kernel ranks each bin row among its
+//      block's of the same owner and group_ranked_kernel, launched early, places it). Each
+//      block then, for each channel of its group (each two, four or eight channels, in the
+//      forward), stages the band and computes its listed bins. On compute capability 9.0 and
+//      later the forward is launched to start while the grouping still runs
+//      (plane_band::launch_early): the blocks of its first wave stage their first band
+//      meanwhile, and wait for the lists only then.
 // Forward: pixel rows past the staged window (a bin row taller than the overlap) are read from
 // global memory. The forward is bound by load wavefronts (the taps from L1/L2, shared-memory
 // reads with bank conflicts), not by arithmetic: so taps are 8 bytes, loaded two at a time,
@@ -117,19 +120,71 @@ __device__ __forceinline__ void load_taps(const BandTap<acc_t>* __restrict__ src
 
 constexpr int kNoCheck = -1;  // band_taps_kernel's check_op: no batch-index check
 
+// The ranked grouping (group_ranked_kernel): a chunk is one block of band_taps_kernel, its
+// kRankThreads items (a thread each). Where keys run to kRankKeys and chunks x keys to
+// kRankEntries, the setup lists bin rows in order in two parallel steps instead of
+// group_by_owner_kernel's one block walking all of them (BENCHMARKS.md, "Setup of the float32
+// band forward").
+constexpr int kRankThreads = 256;
+constexpr int kRankWarps = kRankThreads / 32;
+constexpr int kRankKeys = 512;
+constexpr int kRankEntries = 4096;
+
+// Within this block's chunk of items (one a thread, index order = thread order), the rank of
+// this thread's bin row (key >= 0; -1: no bin row) among the chunk's bin rows of its key, to
+// ranks[row], and the chunk's count of each key, to chunk_counts[blockIdx.x * num_keys + key]:
+// the lanes of one key found by one ballot per key bit, each key's count per warp, then the
+// warps' exclusive prefixes per key. All threads of the block call it.
+__device__ __forceinline__ void rank_in_chunk(
+    int32_t key, int64_t row, int num_keys, int32_t* __restrict__ ranks, int32_t* __restrict__ chunk_counts) {
+  __shared__ int32_t counts[kRankKeys * kRankWarps];  // [key][warp]
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  for (int e = tid; e < num_keys * kRankWarps; e += kRankThreads) counts[e] = 0;
+  // 2^key_bits - 1 >= num_keys, so that the -1 of threads without a bin row matches no key
+  const int key_bits = 32 - __clz(num_keys);
+  unsigned peers = 0xffffffffu;
+  for (int bit = 0; bit < key_bits; ++bit) {
+    const bool set = (key >> bit) & 1;
+    const unsigned b = __ballot_sync(0xffffffffu, set);
+    peers &= set ? b : ~b;
+  }
+  const unsigned before = peers & ((1u << lane) - 1);
+  __syncthreads();
+  if (key >= 0 && before == 0) counts[key * kRankWarps + warp] = __popc(peers);
+  __syncthreads();
+  for (int k = tid; k < num_keys; k += kRankThreads) {
+    int32_t run = 0;
+#pragma unroll
+    for (int w = 0; w < kRankWarps; ++w) {
+      const int32_t c = counts[k * kRankWarps + w];
+      counts[k * kRankWarps + w] = run;
+      run += c;
+    }
+    chunk_counts[static_cast<int64_t>(blockIdx.x) * num_keys + k] = run;
+  }
+  __syncthreads();
+  if (key >= 0) ranks[row] = counts[key * kRankWarps + warp] + __popc(before);
+}
+
 // Taps of RoI k (rois: [K, 5] of roi_t, read in acc_t): PH * G row taps, then PW * G column
 // taps. keys[k * PH + ph]: the owner of bin row (k, ph); tall[k * PH + ph]: 1 when the bin row
 // reads pixel rows past its owner's window, or, where `spans` (bands without overlap, at most
 // 255 of them), the number of bands from the owner on that its sample rows touch. With a check
 // op (a roi_checks::RoIOp), a RoI whose batch index is invalid also fails that op's device
-// assertion, so that the op needs no launch of its own for it.
+// assertion, so that the op needs no launch of its own for it. With ranks (launched with one
+// item a thread, a block of kRankThreads per chunk), each block also ranks its bin rows among
+// its own of the same owner (rank_in_chunk) for group_ranked_kernel, out of num_keys owners.
 template <typename acc_t, typename roi_t>
 __global__ void band_taps_kernel(
     int64_t num_rois, const roi_t* __restrict__ rois, int64_t batch, int height, int width,
     int pooled_height, int pooled_width, acc_t scale, int grid, bool aligned, BandPlan plan,
     BandTap<acc_t>* __restrict__ taps, int32_t* __restrict__ keys, uint8_t* __restrict__ tall,
-    int check_op, bool spans) {
+    int check_op, bool spans, int32_t* __restrict__ ranks = nullptr, int32_t* __restrict__ chunk_counts = nullptr,
+    int num_keys = 0) {
+  plane_band::let_dependents_start();  // the grouping after it, launched early, waits for its writes
   const int per = pooled_height + pooled_width;
+  int32_t my_key = -1;  // the owner of this thread's bin row (ranks: one item a thread)
+  int64_t my_row = -1;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_rois * per;
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t k = i / per;
@@ -168,9 +223,10 @@ __global__ void band_taps_kernel(
       // A bin row with no sample row on the map (or of an invalid RoI) is all zeros and has no
       // gradient: it goes to the discard key batch * bands, which no band block visits.
       const int band = lo_min == INT_MAX ? 0 : lo_min / plan.core;
-      keys[k * pooled_height + p] = (b < 0 || lo_min == INT_MAX)
-          ? static_cast<int32_t>(batch * plan.bands)
-          : static_cast<int32_t>(b * plan.bands + band);
+      my_key = (b < 0 || lo_min == INT_MAX) ? static_cast<int32_t>(batch * plan.bands)
+                                            : static_cast<int32_t>(b * plan.bands + band);
+      my_row = k * pooled_height + p;
+      keys[my_row] = my_key;
       if (spans) {
         tall[k * pooled_height + p] = static_cast<uint8_t>(
             lo_min == INT_MAX ? 1 : min(plan.bands - 1, hi_max / plan.core) - band + 1);
@@ -179,6 +235,36 @@ __global__ void band_taps_kernel(
         tall[k * pooled_height + p] = hi_max >= last ? 1 : 0;
       }
     }
+  }
+  if (ranks != nullptr) rank_in_chunk(my_key, my_row, num_keys, ranks, chunk_counts);
+}
+
+// Owner `key`'s bin rows to rows[offsets[key] .. offsets[key + 1]), in bin-row order (the lists
+// of plane_band::group_by_owner_kernel, the same entries in the same places), from
+// band_taps_kernel's ranks: an exclusive scan of the chunks' counts in (key, chunk) order gives
+// each chunk its first slot in each key's list, and bin row (k, ph) (item k * per + ph of chunk
+// (k * per + ph) / kRankThreads) goes to that slot plus its rank. One block of kGroupThreads;
+// launched early after band_taps_kernel (it waits for its writes), and lets the band kernel
+// after it start.
+__global__ void __launch_bounds__(plane_band::kGroupThreads) group_ranked_kernel(
+    const int32_t* __restrict__ keys, const int32_t* __restrict__ ranks, const int32_t* __restrict__ chunk_counts,
+    int32_t total, int pooled_height, int per, int num_keys, int chunks, int32_t* __restrict__ offsets,
+    int32_t* __restrict__ rows) {
+  plane_band::let_dependents_start();  // a band kernel launched early stages its first band meanwhile
+  plane_band::wait_for_prior_grid();   // the keys, ranks and counts
+  __shared__ int32_t first[kRankEntries];  // [key][chunk]: the chunk's first slot in the key's list
+  const int64_t m = static_cast<int64_t>(num_keys) * chunks;
+  plane_band::block_exclusive_scan<int32_t>(
+      m, [&](int64_t e) { return chunk_counts[(e % chunks) * num_keys + e / chunks]; },
+      [&](int64_t e, int32_t o) { first[e] = o; });
+  __syncthreads();
+  for (int key = static_cast<int>(threadIdx.x); key <= num_keys; key += blockDim.x) {
+    offsets[key] = key < num_keys ? first[static_cast<int64_t>(key) * chunks] : total;
+  }
+  for (int32_t r = static_cast<int32_t>(threadIdx.x); r < total; r += static_cast<int32_t>(blockDim.x)) {
+    const int32_t k = r / pooled_height, ph = r - k * pooled_height;
+    const int chunk = static_cast<int>((static_cast<int64_t>(k) * per + ph) / kRankThreads);
+    rows[first[static_cast<int64_t>(keys[r]) * chunks + chunk] + ranks[r]] = (k << plane_band::kRowShift) | ph;
   }
 }
 
@@ -1155,24 +1241,45 @@ BandSetup setup_bands(
   s.num_keys = batch * s.plan.bands;
   // the taps' size is a multiple of 8 bytes, so the index after them is aligned
   s.taps_bytes = num_rois * per * static_cast<int64_t>(sizeof(BandTap<acc_t>));
+  const int64_t items = num_rois * (pooled_height + pooled_width);
+  const unsigned taps_blocks = cuda::grid_for(items, kRankThreads);
+  // in order, the lists from the taps kernel's ranks where its blocks are the chunks
+  // (group_ranked_kernel); else group_by_owner_kernel
+  const int64_t chunks = cuda::ceil_div(items, int64_t{kRankThreads});
+  const int64_t grouped_keys = s.num_keys + 1;  // the owners and the discard key
+  const bool ranked = in_order && !spans && chunks == taps_blocks && grouped_keys <= kRankKeys &&
+      chunks * grouped_keys <= kRankEntries && s.rows_total < (int64_t{1} << 31);
+  const int64_t rank_ints = ranked ? s.rows_total + chunks * grouped_keys : 0;
   // num_keys owners plus the discard key: offsets and counts hold num_keys + 2 entries
-  const int64_t index_ints = s.rows_total + s.listed_cap + 2 * (s.num_keys + 2);
+  const int64_t index_ints = s.rows_total + s.listed_cap + 2 * (s.num_keys + 2) + rank_ints;
   s.scratch = at::empty({s.taps_bytes + 4 * index_ints + s.rows_total}, rois.options().dtype(at::kByte));
   int32_t* keys = s.index();
   int32_t* rows = keys + s.rows_total;
   int32_t* offsets = rows + s.listed_cap;
   int32_t* counts = offsets + s.num_keys + 2;
+  int32_t* ranks = ranked ? counts + s.num_keys + 2 : nullptr;
+  int32_t* chunk_counts = ranked ? ranks + s.rows_total : nullptr;
   s.tall = reinterpret_cast<uint8_t*>(keys + index_ints);
-  const int64_t items = num_rois * (pooled_height + pooled_width);
-  band_taps_kernel<acc_t, roi_t><<<cuda::grid_for(items, 256), 256, 0, stream>>>(
+  band_taps_kernel<acc_t, roi_t><<<taps_blocks, kRankThreads, 0, stream>>>(
       num_rois, rois.const_data_ptr<roi_t>(), batch, static_cast<int>(height),
       static_cast<int>(width), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
       static_cast<acc_t>(spatial_scale), static_cast<int>(sampling_ratio), aligned, s.plan,
-      reinterpret_cast<BandTap<acc_t>*>(s.scratch.data_ptr<uint8_t>()), keys, s.tall, check_op, spans);
+      reinterpret_cast<BandTap<acc_t>*>(s.scratch.data_ptr<uint8_t>()), keys, s.tall, check_op, spans, ranks,
+      chunk_counts, static_cast<int>(grouped_keys));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  plane_band::group_by_owner<int32_t>(
-      keys, s.rows_total, s.num_keys + 1, counts, offsets, rows, static_cast<int>(pooled_height), in_order,
-      stream, spans ? s.tall : nullptr);
+  if (ranked) {
+    // launched early: the block is resident when the taps end, and the band kernel launched
+    // early after it starts staging while the taps and the lists are made
+    plane_band::launch_early(
+        group_ranked_kernel, plane_band::early_launch_supported(), dim3(1), plane_band::kGroupThreads, 0, stream,
+        keys, ranks, chunk_counts, static_cast<int32_t>(s.rows_total), static_cast<int>(pooled_height),
+        static_cast<int>(pooled_height + pooled_width), static_cast<int>(grouped_keys), static_cast<int>(chunks),
+        offsets, rows);
+  } else {
+    plane_band::group_by_owner<int32_t>(
+        keys, s.rows_total, grouped_keys, counts, offsets, rows, static_cast<int>(pooled_height), in_order, stream,
+        spans ? s.tall : nullptr);
+  }
   const int64_t per_block = channels_per_block(s.num_keys, channels, channel_step);
   s.shape = BandShape{channels, static_cast<int>(height), static_cast<int>(width),
                       static_cast<int>(pooled_height), static_cast<int>(pooled_width),
