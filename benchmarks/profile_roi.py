@@ -5,6 +5,8 @@
     python -m benchmarks.profile_roi --host --dtypes fp32,bf16,fp16  # and 16-bit roi_align
     # the forward per call: timed alone, back to back, and replayed from a CUDA graph
     python -m benchmarks.profile_roi --graph --dtypes fp32,bf16 --sizes 7,14
+    # each kernel's start and end within a forward call, back to back and alone
+    python -m benchmarks.profile_roi --timeline --sizes 7,14
     # the backward alone and forward+backward, atomic and deterministic
     python -m benchmarks.profile_roi --deterministic --sizes 7,14
     # roi_pool's backward alone: GPU time per queued call, a lone call, its kernels
@@ -19,6 +21,7 @@
         python -m benchmarks.profile_roi --once --only-forward --dtypes fp32,bf16,fp16 --sizes 7,14
 """
 import argparse
+import re
 import statistics
 import time
 
@@ -74,6 +77,7 @@ def host_cases(dtypes=("fp32",)):
     x = torch.randn(2, 256, 200, 304, device="cuda")
     rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
     xg = x.clone().requires_grad_()
+    rois_g = rois.clone().requires_grad_()
     grad = torch.randn(1024, 256, 7, 7, device="cuda")
 
     def fwd_bwd(fn, xg=xg, grad=grad):
@@ -90,6 +94,8 @@ def host_cases(dtypes=("fp32",)):
         )
     return {
         "roi_align fwd 7x7, detops": lambda: detops.ops.roi_align(x, rois, 7, 0.25, 2, True),
+        # the same call through the op's autograd Function, which RoIs that need a gradient take
+        "roi_align fwd 7x7, detops, RoIs that need a gradient": lambda: detops.ops.roi_align(x, rois_g, 7, 0.25, 2, True),
         "roi_align fwd 7x7, torchvision": lambda: torchvision.ops.roi_align(x, rois, 7, 0.25, 2, True),
         "roi_pool fwd 7x7, detops": lambda: detops.ops.roi_pool(x, rois, 7, 0.25),
         "roi_pool fwd 7x7, torchvision": lambda: torchvision.ops.roi_pool(x, rois, 7, 0.25),
@@ -131,6 +137,56 @@ def host_overhead(calls=20, rounds=15, dtypes=("fp32",)):
         issue, _ = queued_times(fn, calls, rounds)
         event = median_ms(fn, "cuda", warmup=0, runs=30) * 1e3
         print(f"| {name} | host {issue:.1f} µs | event {event:.1f} µs |")
+
+
+def _kernel_name(name):
+    """A kernel's own name from its demangled signature."""
+    found = re.findall(r"[A-Za-z_]\w*kernel\w*", name)
+    return found[0] if found else name[:40]
+
+
+def timeline(dtypes=("fp32",), sizes=(7,), calls=8):
+    """roi_align forward per dtype and output size: each kernel's start and end (torch.profiler,
+    microseconds from the call's first kernel) for calls issued back to back and for calls
+    timed alone (a synchronize after each), and the gap from the previous call's last kernel."""
+    x = torch.randn(2, 256, 200, 304, device="cuda")
+    rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25).cuda()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    for dname in dtypes:
+        xd, rd = x.to(DTYPES[dname]), rois.to(DTYPES[dname])
+        for size in sizes:
+            fn = lambda xd=xd, rd=rd, size=size: detops.ops.roi_align(xd, rd, size, 0.25, 2, True)
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            for mode in ("back to back", "alone"):
+                with torch.profiler.profile(activities=acts) as prof:
+                    for _ in range(calls):
+                        fn()
+                        if mode == "alone":
+                            torch.cuda.synchronize()
+                    torch.cuda.synchronize()
+                kernels = sorted(
+                    (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start,
+                )
+                runs, run = [], []
+                for e in kernels:  # a call starts with its taps kernel
+                    if "band_taps" in e.name and run:
+                        runs.append(run)
+                        run = []
+                    run.append(e)
+                runs.append(run)
+                print(f"==== roi_align fwd {dname} {size}x{size}, {mode}")
+                prev_end = None
+                for r in runs[1:-1]:
+                    t0 = r[0].time_range.start
+                    spans = "; ".join(
+                        f"{_kernel_name(e.name)} {e.time_range.start - t0:.1f}-{e.time_range.end - t0:.1f}" for e in r
+                    )
+                    gap = f", {t0 - prev_end:.1f} µs after the call before" if prev_end is not None else ""
+                    print(f"  call {r[-1].time_range.end - t0:.1f} µs{gap}: {spans}")
+                    prev_end = r[-1].time_range.end
 
 
 def graph_times(dtypes=("fp32", "bf16"), sizes=(7, 14), calls=40, rounds=7):
@@ -289,9 +345,10 @@ def main():
     p.add_argument("--host", action="store_true", help="host issue time and event time per forward and forward+backward call")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--only-forward", action="store_true", help="only roi_align forward (band kernel) per dtype and size")
-    p.add_argument("--dtypes", default="fp32", help="with --only-forward, --graph, --host, --pool-backward or --pool-forward: fp32,bf16,fp16")
-    p.add_argument("--sizes", default="7", help="with --only-forward, --graph, --deterministic, --pool-backward or --pool-forward: output sizes, e.g. 7,14")
+    p.add_argument("--dtypes", default="fp32", help="with --only-forward, --graph, --timeline, --host, --pool-backward or --pool-forward: fp32,bf16,fp16")
+    p.add_argument("--sizes", default="7", help="with --only-forward, --graph, --timeline, --deterministic, --pool-backward or --pool-forward: output sizes, e.g. 7,14")
     p.add_argument("--graph", action="store_true", help="forward per call: alone, back to back, CUDA graph replay")
+    p.add_argument("--timeline", action="store_true", help="forward: each kernel's start and end within a call, back to back and alone")
     p.add_argument("--deterministic", action="store_true", help="backward and forward+backward, atomic and deterministic")
     p.add_argument("--pool-backward", action="store_true", help="roi_pool's backward alone per dtype and size, and its kernels")
     p.add_argument("--pool-forward", action="store_true", help="roi_pool's forward with and without argmax, and torchvision's")
@@ -299,6 +356,9 @@ def main():
     a = p.parse_args()
     if a.host:
         host_overhead(dtypes=tuple(a.dtypes.split(",")))
+        return
+    if a.timeline:
+        timeline(tuple(a.dtypes.split(",")), tuple(int(v) for v in a.sizes.split(",")))
         return
     if a.graph:
         graph_times(tuple(a.dtypes.split(",")), tuple(int(v) for v in a.sizes.split(",")))
