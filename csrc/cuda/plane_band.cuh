@@ -371,6 +371,19 @@ __device__ __forceinline__ void block_exclusive_scan(int64_t m, Load load, Store
   }
 }
 
+// The lanes of the warp whose key has the same low key_bits bits as this lane's, one ballot
+// per bit. All lanes call it.
+template <typename index_t>
+__device__ __forceinline__ unsigned lanes_with_key(index_t key, int key_bits) {
+  unsigned peers = 0xffffffffu;
+  for (int bit = 0; bit < key_bits; ++bit) {
+    const bool set = (key >> bit) & 1;
+    const unsigned b = __ballot_sync(0xffffffffu, set);
+    peers &= set ? b : ~b;
+  }
+  return peers;
+}
+
 // The warp's run of equal keys that holds this lane (runs of consecutive lanes; key -1 marks
 // lanes past the items, which form runs of their own): lanes [start, end). All lanes call it.
 struct KeyRun {
@@ -479,18 +492,9 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
   // once, so that a warp waits on one load per kHeld chunks; a range of kHeld chunks or fewer
   // keeps its keys from the first walk for the second (`held` true).
   constexpr int kHeld = 8;
-  // The lanes whose key has the same low key_bits bits, one ballot per bit. 2^key_bits - 1 >=
-  // num_keys, so the -1 of lanes past the end matches no key.
+  // 2^key_bits - 1 >= num_keys, so the -1 of lanes past the end matches no key
   const int key_bits = 32 - __clz(static_cast<int>(num_keys));
-  auto same_key = [&](index_t key) {
-    unsigned peers = 0xffffffffu;
-    for (int bit = 0; bit < key_bits; ++bit) {
-      const bool set = (key >> bit) & 1;
-      const unsigned b = __ballot_sync(0xffffffffu, set);
-      peers &= set ? b : ~b;
-    }
-    return peers;
-  };
+  auto same_key = [&](index_t key) { return lanes_with_key(key, key_bits); };
   index_t keys_held[kHeld];
   auto walk = [&](bool held, auto&& f) {
     for (index_t base = begin; base < end; base += 32 * kHeld) {

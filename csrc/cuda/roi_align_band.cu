@@ -141,13 +141,7 @@ __device__ __forceinline__ void rank_in_chunk(
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   for (int e = tid; e < num_keys * kRankWarps; e += kRankThreads) counts[e] = 0;
   // 2^key_bits - 1 >= num_keys, so that the -1 of threads without a bin row matches no key
-  const int key_bits = 32 - __clz(num_keys);
-  unsigned peers = 0xffffffffu;
-  for (int bit = 0; bit < key_bits; ++bit) {
-    const bool set = (key >> bit) & 1;
-    const unsigned b = __ballot_sync(0xffffffffu, set);
-    peers &= set ? b : ~b;
-  }
+  const unsigned peers = plane_band::lanes_with_key(key, 32 - __clz(num_keys));
   const unsigned before = peers & ((1u << lane) - 1);
   __syncthreads();
   if (key >= 0 && before == 0) counts[key * kRankWarps + warp] = __popc(peers);
