@@ -27,12 +27,14 @@ def hunks(patch_text):
     [
         ("band_trace.patch", ["csrc/cuda/roi_align_band.cu"]),
         ("band_tiles.patch", ["+benchmarks/band_tiles.py", "csrc/cuda/roi_align_band.cu"]),
+        ("band_ring.patch", ["csrc/cuda/roi_align_band.cu"]),
     ],
 )
 def test_band_patches_apply_to_the_band_forward(patch, targets):
-    """benchmarks/band_trace.patch instruments roi_align_band.cu, band_tiles.patch adds the
-    tiled forward measured in BENCHMARKS.md: every hunk's context and removed lines must still
-    be in the file, in order, and the files they add must not exist, or `git apply` fails."""
+    """benchmarks/band_trace.patch instruments roi_align_band.cu, band_tiles.patch and
+    band_ring.patch add the tiled and the ring forward measured in BENCHMARKS.md: every hunk's
+    context and removed lines must still be in the file, in order, and the files they add must
+    not exist, or `git apply` fails."""
     files = hunks((ROOT / "benchmarks" / patch).read_text())
     assert [target for target, _ in files] == targets
     for target, olds in files:

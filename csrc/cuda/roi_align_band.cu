@@ -593,7 +593,9 @@ __device__ __forceinline__ void prefetch_later_band(
 }
 
 // One block per SM: its band takes the SM's shared memory. ahead: see prefetch_later_band
-// (0: none).
+// (0: none). The band starts at the dynamic window, 32-byte aligned, since a load of a pixel's
+// other half is at its address ^ 16: static shared variables would come before the window and
+// shift it, so the kernel declares none.
 template <int G>
 __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotated_kernel(
     const float* __restrict__ input, const BandTap<float>* __restrict__ taps,
