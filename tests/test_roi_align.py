@@ -307,7 +307,6 @@ def test_autograd_is_cpp():
     torch.testing.assert_close(x.grad, xr.grad, **TOL[torch.float64])
 
 
-
 def test_graph_only_where_a_gradient_is_needed():
     # A call that needs no gradient (no input requires one, or grad mode is off) records no
     # node; one whose input or RoIs require a gradient does, and the same values either way.
@@ -327,6 +326,7 @@ def test_graph_only_where_a_gradient_is_needed():
         torch.testing.assert_close(out, plain, rtol=0, atol=0)
     with torch.inference_mode():
         torch.testing.assert_close(roi_align(xg, rois, 2, 1.0, 2, False), plain, rtol=0, atol=0)
+
 
 def test_compile_fullgraph_cpu():
     torch._dynamo.reset()
