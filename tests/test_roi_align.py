@@ -1026,6 +1026,46 @@ def test_cuda_band_forward_lists_grouped_as_planned(case, grouping):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("written", ["rois", "map", "gradient"])
+def test_cuda_band_ops_read_what_the_kernel_before_wrote(written):
+    # The band setup's first kernel is launched early: it may start before the kernel before it
+    # in the stream has ended, and waits for it before it reads. RoIs, maps and gradients
+    # written by the kernel right before the call (queued behind a busy GPU, so that the
+    # launches overlap) are the values the call reads.
+    from detops.ops._utils import roi_kernel
+
+    batch, c, h, w, k, lo, hi, spill, pooled, sr, aligned = BAND_CASES["many RoIs"]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(batch, c, h, w, generator=g).cuda()
+    rois = dense_rois(batch, k, h, w, lo, hi, 0.25, seed=2, spill=spill).float().cuda()
+    grad = torch.randn(k, c, *pooled, generator=g).cuda()
+    with roi_kernel("band"):
+        xg = x.clone().requires_grad_()
+        expected = roi_align(xg, rois, pooled, 0.25, sr, aligned)
+        expected.backward(grad)
+        for _ in range(3):
+            xs = x.clone() if written != "map" else torch.zeros_like(x)
+            rs = rois.clone() if written != "rois" else torch.zeros_like(rois)
+            gs = grad.clone() if written != "gradient" else torch.zeros_like(grad)
+            torch.cuda.synchronize()
+            if written == "map":
+                torch.cuda._sleep(20_000_000)
+                xs.add_(x)
+            if written == "rois":
+                torch.cuda._sleep(20_000_000)
+                rs.add_(rois)
+            xs.requires_grad_()
+            out = roi_align(xs, rs, pooled, 0.25, sr, aligned)
+            if written == "gradient":
+                torch.cuda._sleep(20_000_000)
+                gs.add_(grad)
+            out.backward(gs)
+            assert torch.equal(out, expected)
+            # the backward's atomics add in whatever order they run
+            torch.testing.assert_close(xs.grad, xg.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cuda_band_kernels_read_rois_as_given(dtype):
     # The band setup reads the RoIs in their own dtype (16-bit ones with no conversion pass):

@@ -6,7 +6,8 @@
 // FPN level of a detector) read each plane many times over. Here a block per (image, band of
 // rows, group of channels) stages the band of one channel plane at a time in shared memory and
 // computes, from it, every bin row its band owns, for all RoIs of the image:
-//   1. band_taps_kernel computes each RoI's sample rows and columns once (AxisTap: the two
+//   1. band_taps_kernel (launched early, so that it starts as the kernel before it ends: it waits
+//      for that kernel first) computes each RoI's sample rows and columns once (AxisTap: the two
 //      pixel rows / columns a sample reads and their weights, the rules of bilinear_sample) and
 //      the owner of each bin row (k, ph): the band holding its first pixel row, keyed
 //      image * bands + band. A bin row none of whose sample rows lies on the map (all of an
@@ -175,7 +176,11 @@ __global__ void band_taps_kernel(
     BandTap<acc_t>* __restrict__ taps, int32_t* __restrict__ keys, uint8_t* __restrict__ tall,
     int check_op, bool spans, int32_t* __restrict__ ranks = nullptr, int32_t* __restrict__ chunk_counts = nullptr,
     int num_keys = 0) {
-  plane_band::let_dependents_start();  // the grouping after it, launched early, waits for its writes
+  // Launched early (plane_band::launch_early): the kernel before it in the stream may still run,
+  // and may have written the RoIs or may still read memory this kernel writes. The grouping
+  // after it, launched early as well, waits for its writes.
+  plane_band::wait_for_prior_grid();
+  plane_band::let_dependents_start();
   const int per = pooled_height + pooled_width;
   int32_t my_key = -1;  // the owner of this thread's bin row (ranks: one item a thread)
   int64_t my_row = -1;
@@ -1256,13 +1261,16 @@ BandSetup setup_bands(
   int32_t* ranks = ranked ? counts + s.num_keys + 2 : nullptr;
   int32_t* chunk_counts = ranked ? ranks + s.rows_total : nullptr;
   s.tall = reinterpret_cast<uint8_t*>(keys + index_ints);
-  band_taps_kernel<acc_t, roi_t><<<taps_blocks, kRankThreads, 0, stream>>>(
+  // launched early: its blocks are resident, waiting, when the kernel before it ends, and its
+  // launch does not wait for that kernel's end (BENCHMARKS.md, "roi_align band setup launched
+  // early")
+  plane_band::launch_early(
+      band_taps_kernel<acc_t, roi_t>, plane_band::early_launch_supported(), dim3(taps_blocks), kRankThreads, 0, stream,
       num_rois, rois.const_data_ptr<roi_t>(), batch, static_cast<int>(height),
       static_cast<int>(width), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
       static_cast<acc_t>(spatial_scale), static_cast<int>(sampling_ratio), aligned, s.plan,
       reinterpret_cast<BandTap<acc_t>*>(s.scratch.data_ptr<uint8_t>()), keys, s.tall, check_op, spans, ranks,
       chunk_counts, static_cast<int>(grouped_keys));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (ranked) {
     // launched early: the block is resident when the taps end, and the band kernel launched
     // early after it starts staging while the taps and the lists are made
