@@ -1028,10 +1028,12 @@ def test_cuda_band_forward_lists_grouped_as_planned(case, grouping):
 @pytest.mark.cuda
 @pytest.mark.parametrize("written", ["rois", "map", "gradient"])
 def test_cuda_band_ops_read_what_the_kernel_before_wrote(written):
-    # The band setup's first kernel is launched early: it may start before the kernel before it
-    # in the stream has ended, and waits for it before it reads. RoIs, maps and gradients
-    # written by the kernel right before the call (queued behind a busy GPU, so that the
-    # launches overlap) are the values the call reads.
+    # The band setup's first kernel is launched early and waits for the kernel before it in the
+    # stream before it reads. This pins the case the early launch touches: RoIs, maps and
+    # gradients written by the kernel right before the call, queued behind a busy GPU, are the
+    # values the call reads. (A missing wait would show only behind a kernel that lets its
+    # dependents start early; none of the kernels that precede a band call here do, so this
+    # guards the results, not the wait itself.)
     from detops.ops._utils import roi_kernel
 
     batch, c, h, w, k, lo, hi, spill, pooled, sr, aligned = BAND_CASES["many RoIs"]
