@@ -1130,6 +1130,48 @@ def test_cuda_band_forward_first_wave_without_bin_rows(dtype):
     _assert_close_to_gather(out, x, rois)
 
 
+@pytest.mark.cuda
+def test_cuda_band_forward_last_group_split(tmp_path):
+    # With two waves of blocks or more, the float32 band forward splits each key's list between
+    # the last group's block and one more block of the same channels (a row of blocks added to
+    # the grid). The split falls on a multiple of four entries, which keeps each bin's place in
+    # its block's walk: the last channels get the bits of a call of their own (one group, no
+    # split). RoIs off the maps (the discard key's bin rows, which the last group's first block
+    # zeroes alone) stay zeros.
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from detops.ops._utils import roi_kernel
+
+    channels = 256
+    x, rois = _benchmark_sized(2, channels, 1024, 200, 19, torch.float32)
+    off = rois[:8].clone()
+    off[:, 1:] += 5000  # below and right of the maps
+    rois = torch.cat([rois, off])
+    with roi_kernel("band"), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = roi_align(x, rois, (7, 7), 0.25, 2, True)
+        torch.cuda.synchronize()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    grids = [e["args"]["grid"] for e in json.loads(trace.read_text())["traceEvents"]
+             if "band_forward_rotated" in e.get("name", "") and "grid" in e.get("args", {})]
+    # the grid: a column per band of each image and one for the discard key; a row per group
+    # of channels (channels_per_block in roi_align_band.cu) and one more
+    def cdiv(a, b):
+        return -(-a // b)
+
+    groups = min(channels, cdiv(4 * 2 * torch.cuda.get_device_properties(0).multi_processor_count, 28))
+    per_block = cdiv(cdiv(channels, groups), 8) * 8
+    assert grids == [[2 * 14 + 1, cdiv(channels, per_block) + 1, 1]], grids
+    with roi_kernel("band"):
+        for lo in (0, channels - 8):
+            part = roi_align(x[:, lo : lo + 8].contiguous(), rois, (7, 7), 0.25, 2, True)
+            assert torch.equal(out[:, lo : lo + 8], part)
+    assert torch.equal(out[-8:], torch.zeros_like(out[-8:]))
+    _assert_close_to_gather(out, x, rois)
+
+
 def _benchmark_sized(batch, channels, k, max_side, seed, dtype, rois_batch=None):
     """CUDA maps of the benchmark's 200 x 304 size and k dense RoIs (of images
     [0, rois_batch), all by default) at scale 1/4."""

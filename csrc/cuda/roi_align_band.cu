@@ -319,17 +319,22 @@ struct BandBlock {
   int nc;             // its channels
 };
 
-// The block's band, image and channels, which its place in the grid gives (its list is
-// left empty).
-__device__ __forceinline__ BandBlock band_place(const BandShape& sh, const BandPlan& plan) {
+// The band, image and channels of block (x, y) of a band kernel's grid: x its key (image *
+// bands + band), y its group of channels (its list is left empty).
+__device__ __forceinline__ BandBlock band_place_at(const BandShape& sh, const BandPlan& plan, int64_t x, int64_t y) {
   BandBlock k;
-  k.bi = static_cast<int>(blockIdx.x % plan.bands);
-  k.b = blockIdx.x / plan.bands;
+  k.bi = static_cast<int>(x % plan.bands);
+  k.b = x / plan.bands;
   k.first_row = 0;
   k.n = 0;
-  k.c0 = static_cast<int64_t>(blockIdx.y) * sh.channels_per_block;
+  k.c0 = y * sh.channels_per_block;
   k.nc = static_cast<int>(min(sh.channels - k.c0, static_cast<int64_t>(sh.channels_per_block)));
   return k;
+}
+
+// The block's band, image and channels, which its place in the grid gives.
+__device__ __forceinline__ BandBlock band_place(const BandShape& sh, const BandPlan& plan) {
+  return band_place_at(sh, plan, blockIdx.x, blockIdx.y);
 }
 
 __device__ __forceinline__ BandBlock band_block(
@@ -567,6 +572,8 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_kernel(
 // eight unrelated pixels, about 2.5 wavefronts per phase.) A bin's four terms are added in
 // that order, one multiply-add each, so its rounding differs from the gather kernels'.
 constexpr int kRotatedPixelBytes = 32;
+// The most shared memory the float32 forward gives its block's list, after the band.
+constexpr int64_t kRotatedListBytes = 8192;
 
 // Asks L2 for the band that block `ahead` blocks after this one in launch order stages (its
 // rows of each of its channels' planes, a bulk prefetch per plane by the first threads), so
@@ -605,12 +612,19 @@ template <int G>
 __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotated_kernel(
     const float* __restrict__ input, const BandTap<float>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
-    BandPlan plan, int32_t discard, float* __restrict__ output, int ahead, int early_blocks) {
+    BandPlan plan, int32_t discard, float* __restrict__ output, int ahead, int list_cap, int early_blocks) {
   constexpr int kLane = 4;           // channels per lane: 16 bytes
   constexpr int kPixel = 2 * kLane;  // channels per staged pixel: 32 bytes
   using Half = Lanes<float, kLane>;
   extern __shared__ __align__(16) unsigned char smem[];
-  const BandBlock place_in_grid = band_place(sh, plan);
+  // Where the grid has a row of blocks more than there are groups of channels (the host's
+  // choice: split_last_group), the last group's blocks and that row's take the first and the
+  // second half of each key's list, the same channels: the blocks that start last then end
+  // sooner.
+  const int groups = static_cast<int>((sh.channels + sh.channels_per_block - 1) / sh.channels_per_block);
+  const bool split = static_cast<int>(gridDim.y) > groups;
+  const bool second_half = static_cast<int>(blockIdx.y) == groups;
+  const BandBlock place_in_grid = band_place_at(sh, plan, blockIdx.x, min(static_cast<int>(blockIdx.y), groups - 1));
   const int64_t b = place_in_grid.b, c0 = place_in_grid.c0;
   const int nc = place_in_grid.nc;
   const BandRows window = plane_band::band_rows(plan, place_in_grid.bi, sh.height);
@@ -696,18 +710,44 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
   };
   const bool early = stages_early(early_blocks, discard);
   if (early) stage(0);
+  if (second_half && static_cast<int32_t>(blockIdx.x) == discard) return;  // the last group's block zeroes them all
+  // (its first row and entries; its channels are place_in_grid's)
   const BandBlock blk = listed_band_block<float, float, G>(offsets, rows, sh, plan, discard, taps, output);
-  if (blk.n == 0) return;
-  const int n = blk.n;
+  // the block's entries [e0, e1) of the list; a split at a multiple of 4 entries keeps each
+  // item's place in the walk (items of the second half start at its first lane pair), so the
+  // bins get the same bits as without the split
+  int e0 = 0, e1 = blk.n;
+  if (split && static_cast<int>(blockIdx.y) >= groups - 1) {
+    const int mid = (blk.n / 2) & ~3;
+    if (second_half) {
+      e0 = mid;
+    } else {
+      e1 = mid;
+    }
+  }
+  if (e0 >= e1) return;
   const int pw_n = sh.pooled_width;
   const int plane_bins = sh.pooled_height * pw_n;  // at most 64 x 64
   const uint32_t band = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int32_t pitch = plan.stride * kRotatedPixelBytes;  // bytes per staged row
   const int place = (lane >> 1) & 3;  // the bin's place in its load phase
+  const int32_t* const list = rows + blk.first_row;
+  // The block's first list_cap list entries in shared memory after the band, so that each item
+  // finds its entry in a shared load rather than an L2 round trip ahead of its taps. Each
+  // thread's first entry is loaded before the staging and stored after it.
+  int32_t* const shared_list = reinterpret_cast<int32_t*>(smem + plan.smem_bytes);
+  const int listed_n = min(e1 - e0, list_cap);
+  const int32_t own_entry = static_cast<int>(threadIdx.x) < listed_n ? list[e0 + threadIdx.x] : 0;
   for (int ci = 0; ci < nc; ci += kPixel) {
     const int64_t c = c0 + ci;
     if (ci > 0) __syncthreads();  // the previous channels' band is no longer read
     if (ci > 0 || !early) stage(ci);
+    if (ci == 0) {
+      if (static_cast<int>(threadIdx.x) < listed_n) shared_list[threadIdx.x] = own_entry;
+      for (int e = static_cast<int>(threadIdx.x + blockDim.x); e < listed_n; e += static_cast<int>(blockDim.x)) {
+        shared_list[e] = list[e0 + e];
+      }
+    }
     __syncthreads();
     if (ci == 0) prefetch_later_band(input, offsets, sh, plan, discard, ahead);
     // Lane pair (2i, 2i + 1) computes item i of the walk: a bin's eight channels. At sampling
@@ -727,14 +767,13 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
     const int32_t per_roi = static_cast<int32_t>(sh.channels) * plane_bins;
     const int32_t lane_out = static_cast<int32_t>(c + kLane * half) * plane_bins;
     const int left = nc - ci - kLane * half;
-    const int32_t* const list = rows + blk.first_row;
     // the walk goes on while any lane of the warp has items (a lane pair has as many as its
     // other lane), so that the lane pairs' swaps see every lane of the warp
-    for (ListWalk w(pw_n, static_cast<int>(threadIdx.x >> 1), static_cast<int>(blockDim.x >> 1));
-         __any_sync(~0u, w.e < n); w.next(pw_n)) {
-      const bool active = w.e < n;
+    ListWalk w(pw_n, static_cast<int>(threadIdx.x >> 1), static_cast<int>(blockDim.x >> 1));
+    for (w.e += e0; __any_sync(~0u, w.e < e1); w.next(pw_n)) {
+      const bool active = w.e < e1;
       const int pw = w.pw;
-      const int32_t listed = active ? list[w.e] : 0;
+      const int32_t listed = !active ? 0 : w.e - e0 < listed_n ? shared_list[w.e - e0] : list[w.e];
       const int32_t k = listed >> plane_band::kRowShift;
       const int ph = listed & ((1 << plane_band::kRowShift) - 1);
       const BandTap<float>* const roi_taps = taps + static_cast<int64_t>(k) * taps_per_roi;
@@ -1293,6 +1332,22 @@ BandSetup setup_bands(
   return s;
 }
 
+// Blocks of a band kernel that an SM holds at once, by their shared memory and threads.
+int64_t blocks_per_sm(size_t smem, int threads) {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  return std::max<int64_t>(1, std::min<int64_t>(
+      static_cast<int64_t>(props->sharedMemPerMultiprocessor) / static_cast<int64_t>(smem + 1024),
+      props->maxThreadsPerMultiProcessor / threads));
+}
+
+// Whether the float32 band forward's blocks of the last group of channels each take half of
+// their key's list, the other half going to a row of blocks added to the grid: where the grid
+// holds two waves of blocks or more, so that the blocks that start last end sooner, for the
+// price of staging their bands twice.
+bool split_last_group(dim3 grid, int64_t wave) {
+  return grid.y >= 2 && static_cast<int64_t>(grid.x) * grid.y >= 2 * wave;
+}
+
 // Calls f(std::integral_constant<int, G>) for G = grid in 1..kMaxBandGrid.
 template <typename F>
 void with_grid(int64_t grid, F&& f) {
@@ -1349,21 +1404,18 @@ bool roi_align_forward_band(
         static_cast<int>(roi_checks::RoIOp::kRoIAlign),  // the caller leaves the batch-index check to the setup
         /*in_order=*/rotated);  // the rotated kernel's sums follow the list order: the same lists, the same bits
     // one more column of blocks: those of the discard key, which write its bins' zeros
-    const dim3 grid(s.grid.x + 1, s.grid.y);
+    dim3 grid(s.grid.x + 1, s.grid.y);
     // Launched early (plane_band::launch_early): the blocks of the first wave, which start while
     // the grouping runs, stage their first band meanwhile (BENCHMARKS.md, "roi_align band
     // forward: the first wave staged during the grouping").
     const bool early = plane_band::early_launch_supported();
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-    auto launch = [&](auto kernel, int threads, auto... more) {
-      plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
-      // blocks of one wave: as many as the SMs' shared memory and threads hold
-      const int64_t per_sm = std::max<int64_t>(1, std::min<int64_t>(
-          static_cast<int64_t>(props->sharedMemPerMultiprocessor) / static_cast<int64_t>(s.smem + 1024),
-          props->maxThreadsPerMultiProcessor / threads));
-      const int early_blocks = early ? static_cast<int>(per_sm * props->multiProcessorCount) : 0;
+    auto launch = [&](auto kernel, int threads, size_t smem, auto... more) {
+      plane_band::allow_smem(kernel, static_cast<int64_t>(smem));
+      // blocks of one wave
+      const int early_blocks = early ? static_cast<int>(blocks_per_sm(smem, threads) * props->multiProcessorCount) : 0;
       plane_band::launch_early(
-          kernel, early, grid, threads, s.smem, stream, input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(),
+          kernel, early, grid, threads, smem, stream, input.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(),
           s.offsets(), s.rows(), s.shape, s.plan, static_cast<int32_t>(s.num_keys), output.data_ptr<scalar_t>(),
           more..., early_blocks);
     };
@@ -1381,7 +1433,18 @@ bool roi_align_forward_band(
           const double reads = reads_per_pixel(
               batch, height, width, rois.size(0), pooled_height, pooled_width, sampling_ratio);
           const int ahead = reads <= 16.0 ? 3 * props->multiProcessorCount / 4 : 0;
-          launch(roi_align_band_forward_rotated_kernel<G>, kWideBandThreads, ahead);
+          // The shared memory left after the band, as far as the SM still holds as many blocks,
+          // holds the start of a block's list; the last group's blocks are split where the grid
+          // has two waves or more (BENCHMARKS.md, "roi_align band forward: lists in shared
+          // memory, the last blocks split").
+          const int64_t per_sm = blocks_per_sm(s.smem, kWideBandThreads);
+          const int64_t room = std::min<int64_t>(
+              plane_band::band_budget(1 << 30, 0),
+              static_cast<int64_t>(props->sharedMemPerMultiprocessor) / per_sm - 1024) - static_cast<int64_t>(s.smem);
+          const int64_t list_bytes = std::clamp<int64_t>(room, 0, kRotatedListBytes) / 16 * 16;
+          if (split_last_group(grid, per_sm * props->multiProcessorCount)) grid.y += 1;
+          launch(roi_align_band_forward_rotated_kernel<G>, kWideBandThreads, s.smem + list_bytes, ahead,
+                 static_cast<int>(list_bytes / 4));
           return;
         }
       }
@@ -1390,11 +1453,11 @@ bool roi_align_forward_band(
         if constexpr (NC * sizeof(scalar_t) <= 16) {
           if constexpr (NC == 4 && sizeof(scalar_t) == 4) {
             if (wide) {
-              launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, NC, kWideBandThreads>, kWideBandThreads);
+              launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, NC, kWideBandThreads>, kWideBandThreads, s.smem);
               return;
             }
           }
-          launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, NC>, kBandThreads);
+          launch(roi_align_band_forward_kernel<scalar_t, acc_t, G, NC>, kBandThreads, s.smem);
         }
       };
       switch (nc) {
