@@ -274,6 +274,98 @@ __global__ void __launch_bounds__(1024) stage_kernel(const float* __restrict__ i
                        : "memory");
         });
     if (rem > 0) stage_rows_by_warp<1>(base, plane, nrows, per_row * 32, smem);  // each row's last pixels
+  } else if (mode == 13) {  // the kernel's since e34598f: 8-byte pixel pairs, 128 bytes of each of two planes a load
+    const int pair_half = (lane >> 2) & 1, first = (lane >> 1) & 1;
+    const float* src = base + pair_half * 4 * plane;
+    for (int r = warp; r < nrows; r += 32) {
+      const float* row = src + (long long)r * W;
+      const int shift = (int)((reinterpret_cast<uintptr_t>(row) / 4) % 32);
+      F4* dst = reinterpret_cast<F4*>(smem) + (long long)r * STRIDE * 2 + pair_half;
+      for (int x = 2 * ((lane & 3) + 4 * (lane >> 3)) - shift; x < W; x += 64) {
+        const bool second = x + 32 < W;
+        const int at0 = max(x, 0), at1 = second ? x + 32 : at0;
+        float2 v[2][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v[0][j].x), "=f"(v[0][j].y) : "l"(row + j * plane + at0));
+          asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v[1][j].x), "=f"(v[1][j].y) : "l"(row + j * plane + at1));
+        }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          F4 lo, hi;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            lo.v[j] = first ? v[k][j].y : v[k][j].x;
+            hi.v[j] = first ? v[k][j].x : v[k][j].y;
+          }
+          const int xk = x + 32 * k;
+          if (k == 0 ? x >= 0 : second) {
+            dst[2 * (xk + first)] = lo;
+            dst[2 * (xk + 1 - first)] = hi;
+          }
+        }
+      }
+    }
+  } else if (mode == 14 || mode == 15) {  // 16-byte pixel quads, 256 bytes of each of two planes a load:
+    // lane l loads pixels x .. x + 3 of the four planes of half (l >> 2) & 1, x = 4 ((l & 3) + 4 (l >> 3))
+    // + 64 k - s (s: the row's offset from a 128-byte boundary), and stores pixel x + ((p + l) & 3) at
+    // its step p, so that the eight lanes of a store phase write eight different 16-byte bank groups.
+    // 14: one step of 64 pixels in flight, 15: two.
+    const int h = (lane >> 2) & 1, rot = lane & 3;
+    const float* src = base + h * 4 * plane;
+    const int U = mode == 14 ? 1 : 2;
+    for (int r = warp; r < nrows; r += 32) {
+      const float* row = src + (long long)r * W;
+      const int shift = (int)((reinterpret_cast<uintptr_t>(row) / 4) % 32);
+      F4* dst = reinterpret_cast<F4*>(smem) + (long long)r * STRIDE * 2 + h;
+      for (int x = 4 * ((lane & 3) + 4 * (lane >> 3)) - shift; x < W; x += 64 * U) {
+        float4 v[2][4];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int xu = x + 64 * u;
+          if (u < U && xu >= 0 && xu < W) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                           : "=f"(v[u][j].x), "=f"(v[u][j].y), "=f"(v[u][j].z), "=f"(v[u][j].w)
+                           : "l"(row + j * plane + xu));
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int xu = x + 64 * u;
+          if (u < U && xu >= 0 && xu < W) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // register k holds pixel (k + rot) & 3
+              float4& a = v[u][j];
+              if (rot & 1) {
+                const float t = a.x;
+                a.x = a.y;
+                a.y = a.z;
+                a.z = a.w;
+                a.w = t;
+              }
+              if (rot & 2) {
+                float t = a.x;
+                a.x = a.z;
+                a.z = t;
+                t = a.y;
+                a.y = a.w;
+                a.w = t;
+              }
+            }
+            const F4 p0 = {{v[u][0].x, v[u][1].x, v[u][2].x, v[u][3].x}};
+            const F4 p1 = {{v[u][0].y, v[u][1].y, v[u][2].y, v[u][3].y}};
+            const F4 p2 = {{v[u][0].z, v[u][1].z, v[u][2].z, v[u][3].z}};
+            const F4 p3 = {{v[u][0].w, v[u][1].w, v[u][2].w, v[u][3].w}};
+            dst[2 * (xu + (rot & 3))] = p0;
+            dst[2 * (xu + ((rot + 1) & 3))] = p1;
+            dst[2 * (xu + ((rot + 2) & 3))] = p2;
+            dst[2 * (xu + ((rot + 3) & 3))] = p3;
+          }
+        }
+      }
+    }
   } else if (mode == 3) {       // cp.async 16 B planar, all threads
     const int per_row = W / 4;  // 16-byte chunks per channel row
     const int items = nrows * 8 * per_row;
@@ -354,10 +446,13 @@ int main() {
                          "16-byte loads, 4x4 shuffle transpose, 2 in flight",        // 9
                          "planar: 16-byte loads, 512 contiguous bytes a warp",       // 10
                          "16-byte loads, stmatrix rows, 4 in flight",                // 11
-                         "16-byte loads, stmatrix rows, 2 in flight"};               // 12
+                         "16-byte loads, stmatrix rows, 2 in flight",                // 12
+                         "kernel's since e34598f: 8-byte pixel pairs",               // 13
+                         "16-byte pixel quads, one step in flight",                  // 14
+                         "16-byte pixel quads, two steps in flight"};                // 15
   for (int spin : {0, 18000})
     for (int ahead : {0, 99})
-      for (int mode = 0; mode <= 12; ++mode) {
+      for (int mode = 0; mode <= 15; ++mode) {
         std::vector<float> ts;
         std::vector<long long> h(nb * 4);
         std::vector<double> st;
