@@ -31,9 +31,12 @@
 // weights, and one shared load serve several channels (BENCHMARKS.md, "roi_align band
 // forward"). float32 maps take roi_align_band_forward_rotated_kernel: eight channels per
 // staged pixel, read without bank conflicts; while a block computes, it asks L2 for the band
-// of a block about a wave later (prefetch_later_band). Other maps (and float32 maps too wide
-// for its bands) take roi_align_band_forward_kernel: two or four channels per pixel, a bin the
-// same sum, term for term, as in the tiled gather kernel.
+// of a block about a wave later (prefetch_later_band). Its blocks keep the start of their list
+// in the shared memory after the band, and where the grid holds two waves or more, the blocks
+// of the last group of channels share each key's list with a row of blocks added to the grid
+// (split_last_group), so that the blocks that start last end sooner. Other maps (and float32
+// maps too wide for its bands) take roi_align_band_forward_kernel: two or four channels per
+// pixel, a bin the same sum, term for term, as in the tiled gather kernel.
 // Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
 // shared memory with shared-memory atomics, then writes the band out (gradients accumulated in
 // float32, of float32, float16 or bfloat16, in roi_align_band_backward_rotated_kernel: eight
