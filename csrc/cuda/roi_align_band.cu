@@ -1346,9 +1346,9 @@ int64_t blocks_per_sm(size_t smem, int threads) {
 // Whether the float32 band forward's blocks of the last group of channels each take half of
 // their key's list, the other half going to a row of blocks added to the grid: where the grid
 // holds two waves of blocks or more, so that the blocks that start last end sooner, for the
-// price of staging their bands twice.
+// price of staging their bands twice (and where the grid has a row to spare).
 bool split_last_group(dim3 grid, int64_t wave) {
-  return grid.y >= 2 && static_cast<int64_t>(grid.x) * grid.y >= 2 * wave;
+  return grid.y >= 2 && grid.y < 65535 && static_cast<int64_t>(grid.x) * grid.y >= 2 * wave;
 }
 
 // Calls f(std::integral_constant<int, G>) for G = grid in 1..kMaxBandGrid.
