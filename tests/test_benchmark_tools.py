@@ -56,3 +56,20 @@ def test_band_staging_matches_the_band_plan():
     assert stride >= 304 and stride % 4 == 2
     assert rows * stride * 32 <= 227 * 1024  # one block's shared memory on sm_90
     assert bands == -(-200 // core) and rows > core
+
+
+def test_band_schedule_model():
+    """benchmarks/band_schedule.py models the float32 band forward's blocks: its plan is the
+    kernel's on the benchmark maps (the bands band_staging.cu copies), it lists every bin row
+    of the benchmark RoIs once, and it hands blocks to the SM free first."""
+    from benchmarks import band_schedule
+    from detops.testing import random_rois
+
+    assert band_schedule.band_plan(200, 304, 7, 2, 232448) == (15, 8, 14)
+    rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25)
+    counts = band_schedule.bin_rows_per_key(rois, 2, 200, 7, 2, 0.25, 15, 14)
+    assert len(counts) == 29 and sum(counts) == 1024 * 7 and counts[-1] == 0
+    # two SMs, three blocks of 10 bin rows at 1 µs each, 1 µs of staging: the third block
+    # starts on the first SM at 11 µs; the second SM then waits 11 µs
+    kernel, idle = band_schedule.schedule([10, 10, 10], 2, first=1.0, later=1.0, per_row=1000.0, gap=0.0)
+    assert (kernel, idle) == (22.0, 5.5)
