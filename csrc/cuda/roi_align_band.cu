@@ -584,6 +584,8 @@ constexpr int64_t kRotatedListBytes = 8192;
 // order, one per SM, so with ahead about a wave of blocks the rows arrive while this block
 // computes (BENCHMARKS.md, "roi_align band forward: the next wave's bands into L2"). Rows are
 // rounded inwards to 16 bytes, as the bulk prefetch needs; a hint only, on sm_90 and later.
+// The row of blocks a split adds (split_last_group) lies past the last group of channels, so
+// nothing is asked for it: its blocks stage the bands the last group's blocks staged before.
 template <typename T>
 __device__ __forceinline__ void prefetch_later_band(
     const T* __restrict__ input, const int32_t* __restrict__ offsets, const BandShape& sh,
