@@ -784,7 +784,14 @@ def test_cuda_band_kernels_agree_with_gather_and_cpu(case):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
-    "case", ["bands, tall bins", "channel quads, tall bins", "many RoIs", "taller than the window, sampling ratio 4"]
+    "case",
+    [
+        "bands, tall bins",
+        "channel quads, tall bins",
+        "odd sizes",
+        "many RoIs",
+        "taller than the window, sampling ratio 4",
+    ],
 )
 def test_cuda_band_kernels_dtypes(dtype, case):
     batch, c, h, w, k, lo, hi, spill, pooled, sr, aligned = BAND_CASES[case]
@@ -835,22 +842,26 @@ def test_cuda_band_kernels_run_when_chosen():
     assert "band_" not in kernels("auto", small, dense_small[:4])
     with deterministic_algorithms(True):
         assert "band_backward" not in kernels("band", small, dense_small)  # the deterministic gather
-    # float32 maps that take the conflict-free band forward take it under 'auto' from about
-    # 10 MiB on; other dtypes from 48 MiB on
+    # float32 and 16-bit maps, which take the conflict-free band forward, take it under 'auto'
+    # from about 10 MiB on; float64 maps from 48 MiB on
     mid = torch.randn(2, 32, 160, 304, device="cuda", requires_grad=True)  # 11.9 MiB
     dense_mid = dense_rois(2, 600, 160, 304, 2, 60, 0.25, seed=2).float().cuda()
     assert "band_forward_rotated" in kernels("auto", mid, dense_mid)
-    mid_half = mid.detach().half().requires_grad_()
+    mid_half = mid.detach().half().requires_grad_()  # 5.9 MiB
     assert "band_forward" not in kernels("auto", mid_half, dense_mid.half())
+    mid_bf16 = torch.randn(2, 64, 160, 304, device="cuda").bfloat16().requires_grad_()  # 11.9 MiB
+    assert "band_forward_rotated" in kernels("auto", mid_bf16, dense_mid.bfloat16())
+    mid_double = torch.randn(2, 16, 160, 304, device="cuda", dtype=torch.float64, requires_grad=True)  # 11.9 MiB
+    assert "band_forward" not in kernels("auto", mid_double, dense_mid.double())
 
 
 @pytest.mark.cuda
 def test_cuda_band_kernels_by_dtype_and_width():
-    # float32 maps take the conflict-free band forward (eight channels per staged pixel) where
-    # their bands hold 16 rows or more, and gradients summed in float32 (float32, float16 and
-    # bfloat16 ones) the conflict-free backward there; 16-bit maps' forwards, float64 maps,
-    # and maps too wide for those bands, the kernels that stage fewer channels. All agree with
-    # the gather kernels.
+    # float32 and 16-bit maps take the conflict-free band forward (eight or sixteen channels
+    # per 32-byte staged pixel) where their bands hold 16 rows or more, and gradients summed in
+    # float32 (float32, float16 and bfloat16 ones) the conflict-free backward there; float64
+    # maps, and maps too wide for those bands, the kernels that stage fewer channels. All agree
+    # with the gather kernels.
     from torch.profiler import ProfilerActivity, profile
 
     from detops.ops._utils import roi_kernel
@@ -885,7 +896,7 @@ def test_cuda_band_kernels_by_dtype_and_width():
         rois = dense_rois(2, 150, 60, width, 2, 40, 0.5, seed=width).to("cuda", dtype)
         grad = torch.randn(150, 12, 7, 7, generator=g).to("cuda", dtype)
         fits = rows(width) >= 16
-        forward = "rotated" if dtype == torch.float32 and fits else "other"
+        forward = "rotated" if dtype != torch.float64 and fits else "other"
         backward = "rotated" if dtype != torch.float64 and fits else "other"
         assert band_kernels(x, rois, grad) == ({forward}, {backward}), (width, dtype)
 
@@ -989,8 +1000,9 @@ def test_cuda_band_backward_more_bands_than_sliced_lists_hold():
     "case", ["few RoIs on a large map", "many RoIs", "odd sizes", "many images", "dense, as benchmarked"]
 )
 def test_cuda_band_forward_same_bits_every_call(dtype, case):
-    # The float32 band forward adds a bin's terms in an order set by the bin's place in its
-    # block's list: the lists are grouped in RoI order, so every call gives the same bits.
+    # The conflict-free band forward (float32 and 16-bit maps) adds a bin's terms in an order
+    # set by the bin's place in its block's list: the lists are grouped in RoI order, so every
+    # call gives the same bits.
     from detops.ops._utils import roi_kernel
 
     if case == "dense, as benchmarked":
@@ -1131,13 +1143,14 @@ def test_cuda_band_forward_first_wave_without_bin_rows(dtype):
 
 
 @pytest.mark.cuda
-def test_cuda_band_forward_last_group_split(tmp_path):
-    # With two waves of blocks or more, the float32 band forward splits each key's list between
-    # the last group's block and one more block of the same channels (a row of blocks added to
-    # the grid). The split falls on a multiple of four entries, which keeps each bin's place in
-    # its block's walk: the last channels get the bits of a call of their own (one group, no
-    # split). RoIs off the maps (the discard key's bin rows, which the last group's first block
-    # zeroes alone) stay zeros.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_band_forward_last_group_split(tmp_path, dtype):
+    # With two waves of blocks or more, the conflict-free band forward splits each key's list
+    # between the last group's block and one more block of the same channels (a row of blocks
+    # added to the grid). The split falls on a multiple of four entries, which keeps each bin's
+    # place in its block's walk: the last channels get the bits of a call of their own (one
+    # group, no split). RoIs off the maps (the discard key's bin rows, which the last group's
+    # first block zeroes alone) stay zeros.
     import json
 
     from torch.profiler import ProfilerActivity, profile
@@ -1145,7 +1158,8 @@ def test_cuda_band_forward_last_group_split(tmp_path):
     from detops.ops._utils import roi_kernel
 
     channels = 256
-    x, rois = _benchmark_sized(2, channels, 1024, 200, 19, torch.float32)
+    step = 8 if dtype == torch.float32 else 16  # channels per staged pixel
+    x, rois = _benchmark_sized(2, channels, 1024, 200, 19, dtype)
     off = rois[:8].clone()
     off[:, 1:] += 5000  # below and right of the maps
     rois = torch.cat([rois, off])
@@ -1162,12 +1176,12 @@ def test_cuda_band_forward_last_group_split(tmp_path):
         return -(-a // b)
 
     groups = min(channels, cdiv(4 * 2 * torch.cuda.get_device_properties(0).multi_processor_count, 28))
-    per_block = cdiv(cdiv(channels, groups), 8) * 8
+    per_block = cdiv(cdiv(channels, groups), step) * step
     assert grids == [[2 * 14 + 1, cdiv(channels, per_block) + 1, 1]], grids
     with roi_kernel("band"):
-        for lo in (0, channels - 8):
-            part = roi_align(x[:, lo : lo + 8].contiguous(), rois, (7, 7), 0.25, 2, True)
-            assert torch.equal(out[:, lo : lo + 8], part)
+        for lo in (0, channels - step):
+            part = roi_align(x[:, lo : lo + step].contiguous(), rois, (7, 7), 0.25, 2, True)
+            assert torch.equal(out[:, lo : lo + step], part)
     assert torch.equal(out[-8:], torch.zeros_like(out[-8:]))
     _assert_close_to_gather(out, x, rois)
 

@@ -15,12 +15,12 @@
 //      batch * bands instead: no band block reads it, the forward's blocks of that key write
 //      its bins as zeros and the backward gives it no gradient. So RoIs far outside the
 //      map (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
-//   2. the bin rows are listed by owner (plane_band::group_by_owner; for the float32 forward in
-//      bin-row order, so that its sums, whose order follows the list, give the same bits on
-//      every call: there, where the sizes allow, the taps kernel ranks each bin row among its
-//      block's of the same owner and group_ranked_kernel, launched early, places it). Each
-//      block then, for each channel of its group (each two, four or eight channels, in the
-//      forward), stages the band and computes its listed bins. On compute capability 9.0 and
+//   2. the bin rows are listed by owner (plane_band::group_by_owner; for the conflict-free
+//      forward in bin-row order, so that its sums, whose order follows the list, give the same
+//      bits on every call: there, where the sizes allow, the taps kernel ranks each bin row
+//      among its block's of the same owner and group_ranked_kernel, launched early, places it).
+//      Each block then, for each channel of its group (each two, four, eight or sixteen
+//      channels, in the forward), stages the band and computes its listed bins. On compute capability 9.0 and
 //      later the forward is launched to start while the grouping still runs
 //      (plane_band::launch_early): the blocks of its first wave stage their first band
 //      meanwhile, and wait for the lists only then.
@@ -29,14 +29,15 @@
 // reads with bank conflicts), not by arithmetic: so taps are 8 bytes, loaded two at a time,
 // and the band holds channel planes interleaved, so that one list entry, one set of taps and
 // weights, and one shared load serve several channels (BENCHMARKS.md, "roi_align band
-// forward"). float32 maps take roi_align_band_forward_rotated_kernel: eight channels per
-// staged pixel, read without bank conflicts; while a block computes, it asks L2 for the band
+// forward"). float32, float16 and bfloat16 maps take roi_align_band_forward_rotated_kernel:
+// 32-byte staged pixels of eight float32 or sixteen 16-bit channels, read without bank
+// conflicts and computed in float32; while a block computes, it asks L2 for the band
 // of a block about a wave later (prefetch_later_band). Its blocks keep the start of their list
 // in the shared memory after the band, and where the grid holds two waves or more, the blocks
 // of the last group of channels share each key's list with a row of blocks added to the grid
-// (split_last_group), so that the blocks that start last end sooner. Other maps (and float32
-// maps too wide for its bands) take roi_align_band_forward_kernel: two or four channels per
-// pixel, a bin the same sum, term for term, as in the tiled gather kernel.
+// (split_last_group), so that the blocks that start last end sooner. float64 maps (and maps
+// too wide for its bands) take roi_align_band_forward_kernel: two or four channels per pixel,
+// a bin the same sum, term for term, as in the tiled gather kernel.
 // Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
 // shared memory with shared-memory atomics, then writes the band out (gradients accumulated in
 // float32, of float32, float16 or bfloat16, in roi_align_band_backward_rotated_kernel: eight
@@ -563,19 +564,20 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_kernel(
   }
 }
 
-// Float32 forward from bands of eight interleaved channel planes (32-byte staged pixels),
-// without shared-memory bank conflicts. Two lanes take a bin, one per half of its eight
-// channels (16 bytes each), so the eight lanes of a 16-byte load phase read the pixels of four
-// bins. Staged rows are 2 mod 4 pixels long, so pixel x of staged row r lies in 32-byte slot
-// (2r + x) mod 4 of its 128-byte line, and the four pixels of a sample, (lo, lo), (lo, hi),
-// (hi, lo), (hi, hi), in slots a, a + 1, a + 2, a + 3 (mod 4). The bin in place j of its phase
-// reads them in that cyclic order from the one in slot j, so at each of the four loads the
-// four bins of a phase read four different slots wherever their samples lie: one wavefront
-// per phase. (Bins as in roi_align_band_forward_kernel, where the eight lanes of a phase read
-// eight unrelated pixels, about 2.5 wavefronts per phase.) A bin's four terms are added in
-// that order, one multiply-add each, so its rounding differs from the gather kernels'.
+// Forward from bands of interleaved channel planes in 32-byte staged pixels (eight float32
+// channels, or sixteen float16 / bfloat16 ones), without shared-memory bank conflicts. Two
+// lanes take a bin, one per 16-byte half of its channels, so the eight lanes of a 16-byte load
+// phase read the pixels of four bins. Staged rows are 2 mod 4 pixels long, so pixel x of
+// staged row r lies in 32-byte slot (2r + x) mod 4 of its 128-byte line, and the four pixels
+// of a sample, (lo, lo), (lo, hi), (hi, lo), (hi, hi), in slots a, a + 1, a + 2, a + 3 (mod 4).
+// The bin in place j of its phase reads them in that cyclic order from the one in slot j, so
+// at each of the four loads the four bins of a phase read four different slots wherever their
+// samples lie: one wavefront per phase. (Bins as in roi_align_band_forward_kernel, where the
+// eight lanes of a phase read eight unrelated pixels, about 2.5 wavefronts per phase.) A bin's
+// four terms are added in that order, one multiply-add each (16-bit values unpacked to float32
+// first), so its rounding differs from the gather kernels'.
 constexpr int kRotatedPixelBytes = 32;
-// The most shared memory the float32 forward gives its block's list, after the band.
+// The most shared memory the conflict-free forward gives its block's list, after the band.
 constexpr int64_t kRotatedListBytes = 8192;
 
 // Asks L2 for the band that block `ahead` blocks after this one in launch order stages (its
@@ -609,18 +611,93 @@ __device__ __forceinline__ void prefetch_later_band(
 #endif
 }
 
+// Threads of a block of roi_align_band_forward_rotated_kernel (one block per SM): float32 1024;
+// 16-bit maps 512, whose lanes at sampling ratio 2 hold the sums of a bin's sixteen channels and
+// take 128 registers without spilling (at 768 or 1024 threads they spill and are slower:
+// BENCHMARKS.md, "roi_align 16-bit band forward: sixteen channels per staged pixel").
+template <typename scalar_t>
+struct RotatedForwardThreads : std::integral_constant<int, sizeof(scalar_t) == 4 ? kWideBandThreads : 512> {};
+
+// The 16-byte half pixel at a shared address as float: four float32 channels, or eight 16-bit
+// ones unpacked from their words (bfloat16 by a shift or a mask, float16 by conversions).
+template <typename T>
+__device__ __forceinline__ Lanes<float, 16 / sizeof(T)> load_staged_half(uint32_t addr) {
+  if constexpr (sizeof(T) == 4) {
+    return load_shared_lanes<float, 4>(addr);
+  } else {
+    uint32_t w[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "r"(addr));
+    Lanes<float, 8> out;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        out.v[2 * i] = __uint_as_float(w[i] << 16);
+        out.v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      } else {
+        static_assert(std::is_same_v<T, at::Half>, "float16 or bfloat16");
+        asm("{.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;}"
+            : "=f"(out.v[2 * i]), "=f"(out.v[2 * i + 1])
+            : "r"(w[i]));
+      }
+    }
+    return out;
+  }
+}
+
+// A lane's pixel pairs (x, x + 1) of N planes, loaded from global memory one pair per plane,
+// and split into the two staged half pixels: the N values of pixel x + first, then of pixel
+// x + 1 - first. float32: 8-byte pairs; 16-bit types: 4-byte pairs, the halves built by byte
+// permutes (pixel x in the low 16 bits of each word).
+template <typename T, int N>
+struct PixelPairs {
+  static_assert(sizeof(T) == 2 && N % 2 == 0, "pairs of 16-bit pixels");
+  uint32_t w[N];
+  __device__ __forceinline__ void load(int j, const T* p) {
+    asm volatile("ld.global.u32 %0, [%1];" : "=r"(w[j]) : "l"(p));
+  }
+  __device__ __forceinline__ void split(int first, Lanes<T, N>& lo, Lanes<T, N>& hi) const {
+    const uint32_t low_halves = 0x5410, high_halves = 0x7632;
+    const uint32_t sel_lo = first ? high_halves : low_halves, sel_hi = first ? low_halves : high_halves;
+    uint32_t a[N / 2], b[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      a[i] = __byte_perm(w[2 * i], w[2 * i + 1], sel_lo);
+      b[i] = __byte_perm(w[2 * i], w[2 * i + 1], sel_hi);
+    }
+    memcpy(&lo, a, sizeof(a));
+    memcpy(&hi, b, sizeof(b));
+  }
+};
+template <int N>
+struct PixelPairs<float, N> {
+  float2 v[N];
+  __device__ __forceinline__ void load(int j, const float* p) {
+    asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v[j].x), "=f"(v[j].y) : "l"(p));
+  }
+  __device__ __forceinline__ void split(int first, Lanes<float, N>& lo, Lanes<float, N>& hi) const {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      lo.v[j] = first ? v[j].y : v[j].x;
+      hi.v[j] = first ? v[j].x : v[j].y;
+    }
+  }
+};
+
 // One block per SM: its band takes the SM's shared memory. ahead: see prefetch_later_band
 // (0: none). The band starts at the dynamic window, 32-byte aligned, since a load of a pixel's
 // other half is at its address ^ 16: static shared variables would come before the window and
 // shift it, so the kernel declares none.
-template <int G>
-__global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotated_kernel(
-    const float* __restrict__ input, const BandTap<float>* __restrict__ taps,
+template <typename scalar_t, int G, int kThreads>
+__global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kernel(
+    const scalar_t* __restrict__ input, const BandTap<float>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
-    BandPlan plan, int32_t discard, float* __restrict__ output, int ahead, int list_cap, int early_blocks) {
-  constexpr int kLane = 4;           // channels per lane: 16 bytes
-  constexpr int kPixel = 2 * kLane;  // channels per staged pixel: 32 bytes
-  using Half = Lanes<float, kLane>;
+    BandPlan plan, int32_t discard, scalar_t* __restrict__ output, int ahead, int list_cap, int early_blocks) {
+  static_assert(sizeof(scalar_t) == 4 || sizeof(scalar_t) == 2, "float32 or 16-bit maps");
+  constexpr int kLane = 16 / static_cast<int>(sizeof(scalar_t));  // channels per lane: 16 bytes
+  constexpr int kPixel = 2 * kLane;                                 // channels per staged pixel: 32 bytes
+  using Half = Lanes<scalar_t, kLane>;
   extern __shared__ __align__(16) unsigned char smem[];
   // Where the grid has a row of blocks more than there are groups of channels (the host's
   // choice: split_last_group), the last group's blocks and that row's take the first and the
@@ -639,37 +716,38 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
   Half* const staged = reinterpret_cast<Half*>(smem);
   // this lane's planes (channels c0 + ci + kLane * half ..); past the group's last channel, the
   // last again (staged and computed, not written)
-  const float* const lane_planes = input + (b * sh.channels + c0) * plane_size;
+  const scalar_t* const lane_planes = input + (b * sh.channels + c0) * plane_size;
   // channel c0 + ci + kLane * h + j (h: the half of a staged pixel, this lane's by default)
   auto plane = [&](int ci, int j, int h = -1) {
     return lane_planes + min(ci + kLane * (h < 0 ? half : h) + j, nc - 1) * plane_size;
   };
   // stages channels c0 + ci .. c0 + ci + kPixel - 1, a warp per staged row. Where the planes'
-  // pixel pairs are 8-byte aligned (an even width), lane l loads pixels x, x + 1 of the four
-  // planes of half (l >> 2) & 1, x = 2 ((l & 3) + 4 (l >> 3)) + 32 k - s, so that each load reads
-  // 128 bytes of each of two planes, from a 128-byte boundary of the first plane's row (s: its
-  // offset from the boundary, in pixels). The lane stores its two half pixels, pixel x + ((l >>
-  // 1) & 1) first, so that each store's eight lanes of a phase write eight different 16-byte
-  // bank groups. Otherwise a lane per half pixel: each load reads 64 bytes of each of two
-  // planes, and the warp stores 512 consecutive bytes.
-  const bool pairs = sh.width % 2 == 0 && reinterpret_cast<uintptr_t>(input) % 8 == 0;
+  // pixel pairs are aligned (8 bytes of float32, 4 of 16-bit values; an even width), lane l
+  // loads pixels x, x + 1 of the kLane planes of half (l >> 2) & 1, x = 2 ((l & 3) + 4 (l >> 3))
+  // + 32 k - s, so that each load reads 32 pixels (128 or 64 bytes) of each of two planes, from
+  // a 32-pixel boundary of the first plane's row (s: its offset from the boundary, in pixels).
+  // The lane stores its two half pixels (PixelPairs::split), pixel x + ((l >> 1) & 1) first, so
+  // that each store's eight lanes of a phase write eight different 16-byte bank groups.
+  // Otherwise a lane per half pixel: each load reads 16 pixels of each of two planes, and the
+  // warp stores 512 consecutive bytes.
+  const bool pairs = sh.width % 2 == 0 && reinterpret_cast<uintptr_t>(input) % (2 * sizeof(scalar_t)) == 0;
   auto stage = [&](int ci) {
     if (pairs) {
       const int pair_half = (lane >> 2) & 1, first = (lane >> 1) & 1;
-      const float* src[kLane];
+      const scalar_t* src[kLane];
 #pragma unroll
       for (int j = 0; j < kLane; ++j) src[j] = plane(ci, j, pair_half);
       for (int r = static_cast<int>(threadIdx.x / 32); r < n_rows; r += static_cast<int>(blockDim.x / 32)) {
         const int64_t row = static_cast<int64_t>(window.first + r) * sh.width;
         // the row in each plane, as opaque pointers: a load's address is then one wide
         // multiply-add (the compiler would otherwise rebuild each plane's 64-bit offset)
-        const float* src_row[kLane];
+        const scalar_t* src_row[kLane];
 #pragma unroll
         for (int j = 0; j < kLane; ++j) {
           src_row[j] = src[j] + row;
           asm("" : "+l"(src_row[j]));
         }
-        const int shift = static_cast<int>((reinterpret_cast<uintptr_t>(src_row[0]) / sizeof(float)) % 32);
+        const int shift = static_cast<int>((reinterpret_cast<uintptr_t>(src_row[0]) / sizeof(scalar_t)) % 32);
         Half* dst = staged + static_cast<int64_t>(r) * plan.stride * 2 + pair_half;
         // two steps of 32 pixels at a time, their loads issued before their stores; a pair
         // before the row's first pixel (or a second step past its end) loads the first pair
@@ -677,20 +755,16 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
         for (int x = 2 * ((lane & 3) + 4 * (lane >> 3)) - shift; x < sh.width; x += 64) {
           const bool second = x + 32 < sh.width;
           const int at0 = max(x, 0), at1 = second ? x + 32 : at0;
-          float2 v[2][kLane];
+          PixelPairs<scalar_t, kLane> v[2];
 #pragma unroll
           for (int j = 0; j < kLane; ++j) {
-            asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v[0][j].x), "=f"(v[0][j].y) : "l"(src_row[j] + at0));
-            asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(v[1][j].x), "=f"(v[1][j].y) : "l"(src_row[j] + at1));
+            v[0].load(j, src_row[j] + at0);
+            v[1].load(j, src_row[j] + at1);
           }
 #pragma unroll
           for (int k = 0; k < 2; ++k) {
             Half lo, hi;
-#pragma unroll
-            for (int j = 0; j < kLane; ++j) {
-              lo.v[j] = first ? v[k][j].y : v[k][j].x;
-              hi.v[j] = first ? v[k][j].x : v[k][j].y;
-            }
+            v[k].split(first, lo, hi);
             const int xk = x + 32 * k;
             if (k == 0 ? x >= 0 : second) {
               dst[2 * (xk + first)] = lo;
@@ -717,7 +791,7 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
   if (early) stage(0);
   if (second_half && static_cast<int32_t>(blockIdx.x) == discard) return;  // the last group's block zeroes them all
   // (its first row and entries; its channels are place_in_grid's)
-  const BandBlock blk = listed_band_block<float, float, G>(offsets, rows, sh, plan, discard, taps, output);
+  const BandBlock blk = listed_band_block<scalar_t, float, G>(offsets, rows, sh, plan, discard, taps, output);
   // the block's entries [e0, e1) of the list; a split at a multiple of 4 entries keeps each
   // item's place in the walk (items of the second half start at its first lane pair), so the
   // bins get the same bits as without the split
@@ -755,12 +829,13 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
     }
     __syncthreads();
     if (ci == 0) prefetch_later_band(input, offsets, sh, plan, discard, ahead);
-    // Lane pair (2i, 2i + 1) computes item i of the walk: a bin's eight channels. At sampling
+    // Lane pair (2i, 2i + 1) computes item i of the walk: a bin's kPixel channels. At sampling
     // ratio 2 the pair splits the bin's sample rows instead of its channels: lane h takes sample
-    // row h with all eight channels, each of its sample's four loads reading the 16-byte half h
+    // row h with all kPixel channels, each of its sample's four loads reading the 16-byte half h
     // of its pixel and then the other half (the address ^ 16), and the pair swaps the other
     // half's sums at the end, one shuffle per channel. The rotation, addresses and weights of a
-    // sample then serve eight channels instead of four (14% fewer instructions at 7x7). A load
+    // sample then serve kPixel channels instead of kLane (14% fewer instructions at 7x7 in
+    // float32; 16-bit maps' lanes hold sixteen sums, in blocks of 512 threads). A load
     // phase still reads eight different 16-byte bank groups: at load k, lanes h of its four bins
     // read slot place + k of half h, then of half 1 - h. Other ratios: lane h takes the channels
     // of half h and every sample (BENCHMARKS.md, "roi_align band forward: a bin's sample rows
@@ -768,7 +843,8 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
     constexpr bool kSplit = G == 2;
     const int32_t taps_per_roi = (sh.pooled_height + pw_n) * G;
     // output element of RoI k, bin (ph, pw) of this lane's first channel: k * per_roi + lane_out
-    // + ph * pw_n + pw (the host keeps (channels + 8) * bins below 2^31; k * per_roi in 64 bits)
+    // + ph * pw_n + pw (the host keeps (channels + kPixel) * bins below 2^31; k * per_roi in 64
+    // bits)
     const int32_t per_roi = static_cast<int32_t>(sh.channels) * plane_bins;
     const int32_t lane_out = static_cast<int32_t>(c + kLane * half) * plane_bins;
     const int left = nc - ci - kLane * half;
@@ -817,10 +893,10 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
             const float w2 = (oy ? yh : yl) * wx0, w3 = (oc ? yh : yl) * wx1;
             // the sample's four taps of the pixel halves at a0 ^ flip .. a3 ^ flip, added to acc
             auto add_taps = [&](float (&acc)[kLane], uint32_t flip) {
-              const auto v0 = load_shared_lanes<float, kLane>(a0 ^ flip);
-              const auto v1 = load_shared_lanes<float, kLane>(a1 ^ flip);
-              const auto v2 = load_shared_lanes<float, kLane>(a2 ^ flip);
-              const auto v3 = load_shared_lanes<float, kLane>(a3 ^ flip);
+              const auto v0 = load_staged_half<scalar_t>(a0 ^ flip);
+              const auto v1 = load_staged_half<scalar_t>(a1 ^ flip);
+              const auto v2 = load_staged_half<scalar_t>(a2 ^ flip);
+              const auto v3 = load_staged_half<scalar_t>(a3 ^ flip);
 #pragma unroll
               for (int j = 0; j < kLane; ++j) {
                 acc[j] = fmaf(w0, v0.v[j], acc[j]);
@@ -835,26 +911,26 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_forward_rotat
         }
       } else {  // a bin row taller than the overlap: its pixels from global memory (lane h: its
                 // half's channels, every sample; nothing to swap)
-        PlaneRows<float, kLane> pixels;
+        PlaneRows<scalar_t, kLane> pixels;
         pixels.width = sh.width;
 #pragma unroll
         for (int j = 0; j < kLane; ++j) pixels.plane[j] = plane(ci, j);
-        add_samples<float, float, G, kLane>(pixels, ty, tx, sh, sum);
+        add_samples<scalar_t, float, G, kLane>(pixels, ty, tx, sh, sum);
       }
       if constexpr (kSplit) {
 #pragma unroll
         for (int j = 0; j < kLane; ++j) sum[j] += __shfl_xor_sync(~0u, other[j], 1);
       }
       if (!active) continue;
-      float* out = output + (static_cast<uint64_t>(static_cast<uint32_t>(k)) * static_cast<uint32_t>(per_roi) +
-                             static_cast<uint32_t>(lane_out + ph * pw_n + pw));
+      scalar_t* out = output + (static_cast<uint64_t>(static_cast<uint32_t>(k)) * static_cast<uint32_t>(per_roi) +
+                                static_cast<uint32_t>(lane_out + ph * pw_n + pw));
       if (left >= kLane) {
 #pragma unroll
-        for (int j = 0; j < kLane; ++j) out[j * plane_bins] = sum[j] / static_cast<float>(G * G);
+        for (int j = 0; j < kLane; ++j) out[j * plane_bins] = static_cast<scalar_t>(sum[j] / static_cast<float>(G * G));
       } else {
 #pragma unroll
         for (int j = 0; j < kLane; ++j) {
-          if (j < left) out[j * plane_bins] = sum[j] / static_cast<float>(G * G);
+          if (j < left) out[j * plane_bins] = static_cast<scalar_t>(sum[j] / static_cast<float>(G * G));
         }
       }
     }
@@ -1239,8 +1315,8 @@ double reads_per_pixel(
 // measured on an H200 (BENCHMARKS.md): the band backward beats the atomic scatter once the
 // samples read about as many pixels as the maps hold; the band forward beats the tiled gather
 // when the samples read each pixel several times over and the maps outgrow L2 (the gather's
-// repeated sectors then come from DRAM), or, for float32 maps that take the conflict-free
-// kernel, from about 11 MiB of maps on.
+// repeated sectors then come from DRAM), or, for maps that take the conflict-free kernel
+// (float32 and 16-bit ones), from about 11 MiB of maps on.
 bool band_applies(
     bool forward, int64_t batch, int64_t channels, int64_t height, int64_t width,
     int64_t num_rois, int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
@@ -1259,7 +1335,8 @@ bool band_applies(
   const double reads =
       reads_per_pixel(batch, height, width, num_rois, pooled_height, pooled_width, sampling_ratio);
   if (!forward) return reads >= 1.0;
-  const bool rotated = elem_bytes == 4 && rotated_plan(batch, height, width, pooled_height, sampling_ratio).ok;
+  const bool rotated = (elem_bytes == 4 || elem_bytes == 2) &&
+      rotated_plan(batch, height, width, pooled_height, sampling_ratio).ok;
   const double pixels = static_cast<double>(batch) * height * width;
   return reads >= 4.0 && pixels * channels * elem_bytes >= (rotated ? 10.0 : 48.0) * (1 << 20);
 }
@@ -1345,7 +1422,7 @@ int64_t blocks_per_sm(size_t smem, int threads) {
       props->maxThreadsPerMultiProcessor / threads));
 }
 
-// Whether the float32 band forward's blocks of the last group of channels each take half of
+// Whether the conflict-free band forward's blocks of the last group of channels each take half of
 // their key's list, the other half going to a row of blocks added to the grid: where the grid
 // holds two waves of blocks or more, so that the blocks that start last end sooner, for the
 // price of staging their bands twice (and where the grid has a row to spare).
@@ -1378,22 +1455,25 @@ bool roi_align_forward_band(
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_align", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    // float32 maps whose bands of 32-byte pixels hold 16 rows or more: the conflict-free
-    // kernel (BENCHMARKS.md, "roi_align band forward without bank conflicts"). For 16-bit maps
-    // it measured slower than the kernel below (bands of 8-byte pixels, two blocks per SM).
-    // Otherwise channels per staged pixel (BENCHMARKS.md, "roi_align band forward"): four (16
-    // bytes of float, 8 of half or bfloat16), two of double; fewer where a band would hold too
-    // few rows. Float bins as tall as 7x7 ones or taller get bands of twice the shared memory,
-    // in blocks of kWideBandThreads (one per SM): in bands of 16-byte pixels more of their bin
-    // rows would reach past the window and read global memory.
-    // (the rotated kernel finds a RoI's outputs by 32-bit products: (channels + 8) x bins below
-    // 2^31, the 8 for the lanes past a last, partial group of channels)
-    BandPlan plan = std::is_same_v<scalar_t, float> &&
-            (channels + 8) * pooled_height * pooled_width < (int64_t{1} << 31)
+    // float32 and 16-bit maps whose bands of 32-byte pixels hold 16 rows or more: the
+    // conflict-free kernel (BENCHMARKS.md, "roi_align band forward without bank conflicts";
+    // for 16-bit maps, sixteen channels a pixel, "roi_align 16-bit band forward: sixteen
+    // channels per staged pixel"). Otherwise channels per staged pixel (BENCHMARKS.md,
+    // "roi_align band forward"): four (16 bytes of float, 8 of half or bfloat16), two of
+    // double; fewer where a band would hold too few rows. Float bins as tall as 7x7 ones or
+    // taller get bands of twice the shared memory, in blocks of kWideBandThreads (one per SM):
+    // in bands of 16-byte pixels more of their bin rows would reach past the window and read
+    // global memory.
+    // (the rotated kernel finds a RoI's outputs by 32-bit products: (channels + 8 or 16) x bins
+    // below 2^31, the 8 or 16 (a staged pixel's channels) for the lanes past a last, partial
+    // group of channels)
+    constexpr int64_t kPixelChannels = kRotatedPixelBytes / static_cast<int64_t>(sizeof(scalar_t));
+    BandPlan plan = (std::is_same_v<scalar_t, float> || sizeof(scalar_t) == 2) &&
+            (channels + kPixelChannels) * pooled_height * pooled_width < (int64_t{1} << 31)
         ? rotated_plan(batch, height, width, pooled_height, sampling_ratio)
         : BandPlan{};
     const bool rotated = plan.ok;
-    int nc = rotated ? kRotatedPixelBytes / static_cast<int>(sizeof(float)) : sizeof(scalar_t) == 8 ? 2 : 4;
+    int nc = rotated ? static_cast<int>(kPixelChannels) : sizeof(scalar_t) == 8 ? 2 : 4;
     bool wide = !rotated && sizeof(scalar_t) == 4 && pooled_height <= 7;
     if (!rotated) {
       plan = band_plan(height, width, nc * input.element_size(), wide ? 2 * kBandBudget : kBandBudget);
@@ -1426,7 +1506,7 @@ bool roi_align_forward_band(
     };
     with_grid(sampling_ratio, [&](auto g) {
       constexpr int G = decltype(g)::value;
-      if constexpr (std::is_same_v<scalar_t, float>) {
+      if constexpr (sizeof(scalar_t) <= 4) {
         if (rotated) {
           // Each block asks L2 for the band of the block three quarters of a wave after it
           // where a block's staging takes about as long as its computation: up to about 16
@@ -1442,13 +1522,14 @@ bool roi_align_forward_band(
           // holds the start of a block's list; the last group's blocks are split where the grid
           // has two waves or more (BENCHMARKS.md, "roi_align band forward: lists in shared
           // memory, the last blocks split").
-          const int64_t per_sm = blocks_per_sm(s.smem, kWideBandThreads);
+          constexpr int kThreads = RotatedForwardThreads<scalar_t>::value;
+          const int64_t per_sm = blocks_per_sm(s.smem, kThreads);
           const int64_t room = std::min<int64_t>(
               plane_band::band_budget(1 << 30, 0),
               static_cast<int64_t>(props->sharedMemPerMultiprocessor) / per_sm - 1024) - static_cast<int64_t>(s.smem);
           const int64_t list_bytes = std::clamp<int64_t>(room, 0, kRotatedListBytes) / 16 * 16;
           if (split_last_group(grid, per_sm * props->multiProcessorCount)) grid.y += 1;
-          launch(roi_align_band_forward_rotated_kernel<G>, kWideBandThreads, s.smem + list_bytes, ahead,
+          launch(roi_align_band_forward_rotated_kernel<scalar_t, G, kThreads>, kThreads, s.smem + list_bytes, ahead,
                  static_cast<int>(list_bytes / 4));
           return;
         }
