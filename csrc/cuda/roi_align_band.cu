@@ -20,8 +20,8 @@
 //      bits on every call: there, where the sizes allow, the taps kernel ranks each bin row
 //      among its block's of the same owner and group_ranked_kernel, launched early, places it).
 //      Each block then, for each channel of its group (each two, four, eight or sixteen
-//      channels, in the forward), stages the band and computes its listed bins. On compute capability 9.0 and
-//      later the forward is launched to start while the grouping still runs
+//      channels, in the forward), stages the band and computes its listed bins. On compute
+//      capability 9.0 and later the forward is launched to start while the grouping still runs
 //      (plane_band::launch_early): the blocks of its first wave stage their first band
 //      meanwhile, and wait for the lists only then.
 // Forward: pixel rows past the staged window (a bin row taller than the overlap) are read from
