@@ -7,14 +7,15 @@ roi_align_band_forward_rotated_kernel runs one block per SM, a block per (band o
 group of eight channels) in launch order: every band's first group, then every band's second,
 and so on. This script lists each band's bin rows for the benchmark inputs (2x256x200x304 maps,
 1024 RoIs, sampling ratio 2, aligned) by the taps kernel's rule (a bin row belongs to the band
-holding its first sample pixel row; one with no sample row on the map to the discard key), gives
-each block a time (the first wave's staging, or a later block's list read and staging, plus its
-bin rows' computation; times from `benchmarks/band_trace.py`) and hands the blocks, in a given
-order, to whichever SM is free first. It prints the modeled kernel time and each SM's idle time
-at the end for: launch order; the last group's blocks split in two, the second halves in a row
-of blocks after the others (what the kernel does where the grid has two waves or more); and
-each group's bands ordered by their bin rows. BENCHMARKS.md, "roi_align band forward: lists in
-shared memory, the last blocks split".
+whose core rows hold its first sample pixel row, or to the last band; one with no sample row on
+the map to the discard key), gives each block a time (the first wave's staging, or a later
+block's list read and staging, plus its bin rows' computation; times from
+`benchmarks/band_trace.py`) and hands the blocks, in a given order, to whichever SM is free
+first. It prints the modeled kernel time and each SM's idle time at the end for: launch order;
+the last group's blocks split in two, the second halves in a row of blocks after the others
+(what the kernel does where the grid has two waves or more); and each group's bands ordered by
+their bin rows. BENCHMARKS.md, "roi_align band forward: lists in shared memory, the last blocks
+split", and "no band inside the one before it, 768 threads".
 """
 import argparse
 import heapq
@@ -35,7 +36,7 @@ def band_plan(height, width, pooled, grid, smem_optin):
     span = cdiv(height * (grid - 1), 2 * pooled * grid) + 2
     overlap = 0 if rows >= height else min(max(span - 1, 1), rows * 3 // 8)
     core = rows - overlap
-    return core, overlap, cdiv(height, core)
+    return core, overlap, cdiv(max(height - overlap, 1), core)
 
 
 def bin_rows_per_key(rois, batch, height, pooled, grid, scale, core, bands):
@@ -52,7 +53,7 @@ def bin_rows_per_key(rois, batch, height, pooled, grid, scale, core, bands):
                     continue
                 lo = min(int(math.floor(max(y, 0.0))), height - 1)
                 first = lo if first is None else min(first, lo)
-            counts[-1 if first is None else int(b) * bands + first // core] += 1
+            counts[-1 if first is None else int(b) * bands + min(first // core, bands - 1)] += 1
     return counts
 
 

@@ -65,10 +65,12 @@ def test_band_schedule_model():
     from benchmarks import band_schedule
     from detops.testing import random_rois
 
-    assert band_schedule.band_plan(200, 304, 7, 2, 232448) == (15, 8, 14)
+    # 13 bands an image: band 12 holds rows [180, 200), and a 14th would lie inside it
+    assert band_schedule.band_plan(200, 304, 7, 2, 232448) == (15, 8, 13)
+    assert band_schedule.band_plan(200, 304, 14, 2, 232448) == (18, 5, 11)
     rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25)
-    counts = band_schedule.bin_rows_per_key(rois, 2, 200, 7, 2, 0.25, 15, 14)
-    assert len(counts) == 29 and sum(counts) == 1024 * 7 and counts[-1] == 0
+    counts = band_schedule.bin_rows_per_key(rois, 2, 200, 7, 2, 0.25, 15, 13)
+    assert len(counts) == 27 and sum(counts) == 1024 * 7 and counts[-1] == 0
     # two SMs, three blocks of 10 bin rows at 1 µs each, 1 µs of staging: the third block
     # starts on the first SM at 11 µs; the second SM then waits 11 µs
     kernel, idle = band_schedule.schedule([10, 10, 10], 2, first=1.0, later=1.0, per_row=1000.0, gap=0.0)

@@ -1170,20 +1170,68 @@ def test_cuda_band_forward_last_group_split(tmp_path, dtype):
     prof.export_chrome_trace(str(trace))
     grids = [e["args"]["grid"] for e in json.loads(trace.read_text())["traceEvents"]
              if "band_forward_rotated" in e.get("name", "") and "grid" in e.get("args", {})]
-    # the grid: a column per band of each image and one for the discard key; a row per group
-    # of channels (channels_per_block in roi_align_band.cu) and one more
+    # the grid: a column per band of each image (13: rows [15 b, 15 b + 23), the last reaching
+    # row 200) and one for the discard key; a row per group of channels (channels_per_block in
+    # roi_align_band.cu) and one more
     def cdiv(a, b):
         return -(-a // b)
 
-    groups = min(channels, cdiv(4 * 2 * torch.cuda.get_device_properties(0).multi_processor_count, 28))
+    groups = min(channels, cdiv(4 * 2 * torch.cuda.get_device_properties(0).multi_processor_count, 26))
     per_block = cdiv(cdiv(channels, groups), step) * step
-    assert grids == [[2 * 14 + 1, cdiv(channels, per_block) + 1, 1]], grids
+    assert grids == [[2 * 13 + 1, cdiv(channels, per_block) + 1, 1]], grids
     with roi_kernel("band"):
         for lo in (0, channels - step):
             part = roi_align(x[:, lo : lo + step].contiguous(), rois, (7, 7), 0.25, 2, True)
             assert torch.equal(out[:, lo : lo + step], part)
     assert torch.equal(out[-8:], torch.zeros_like(out[-8:]))
     _assert_close_to_gather(out, x, rois)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("size, bands", [(7, 13), (14, 11)])
+def test_cuda_band_last_band_holds_the_rows_past_its_core(tmp_path, size, bands):
+    # On a 200-row map the float32 plan stages bands of 23 rows: 8 of them overlap at 7x7 (band
+    # b holds rows [15 b, 15 b + 23)), 5 at 14x14 ([18 b, 18 b + 23)). A band whose rows would
+    # all lie inside the band before it has no blocks: 13 and 11 bands an image, not 14 and 12.
+    # Bin rows whose first sample row lies past the last band's core (rows 195-199 at 7x7,
+    # 198-199 at 14x14) belong to the last band, which holds them whole. In the backward through
+    # the overlapping bands (float32 at 14x14), the last band's rows past its core are its own:
+    # stored, not added to a buffer that nothing zeroed (the allocator hands it back full of
+    # NaN here).
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from detops.ops._utils import roi_kernel
+
+    g = torch.Generator().manual_seed(size)
+    x = torch.randn(2, 16, 200, 304, generator=g).cuda()
+    rois = dense_rois(2, 300, 200, 304, 1, 12, 0.25, seed=size).float().cuda()
+    rois[:, 2] = 4 * (200 - 14 * torch.rand(300, generator=g).cuda())  # y1: the last 14 rows
+    rois[:, 4] = rois[:, 2] + 4 * (0.5 + 13.5 * torch.rand(300, generator=g).cuda())  # some past the map
+    grad = torch.randn(300, 16, size, size, generator=g).cuda()
+    results = {}
+    for kernel in ("band", "gather"):
+        xg = x.clone().requires_grad_()
+        torch.full((2, 16, 200, 304), float("nan"), device="cuda")  # freed: its block comes back
+        with roi_kernel(kernel), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = roi_align(xg, rois, size, 0.25, 2, True)
+            out.backward(grad)
+            torch.cuda.synchronize()
+        results[kernel] = (out.detach(), xg.grad)
+        if kernel == "band":
+            trace = tmp_path / f"{size}.json"
+            prof.export_chrome_trace(str(trace))
+            events = json.loads(trace.read_text())["traceEvents"]
+            grids = [e["args"]["grid"] for e in events
+                     if "band_forward_rotated" in e.get("name", "") and "grid" in e.get("args", {})]
+            assert [grid[0] for grid in grids] == [2 * bands + 1], grids  # and the discard key's
+            names = " ".join(e.get("name", "") for e in events)
+            assert ("zero_shared_rows" in names) == (size == 14), names
+    (out_b, gi_b), (out_g, gi_g) = results["band"], results["gather"]
+    assert out_g.abs().sum() > 0 and gi_g[:, :, 190:].abs().sum() > 0
+    torch.testing.assert_close(out_b, out_g, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gi_b, gi_g, rtol=1e-5, atol=1e-5)
 
 
 def _benchmark_sized(batch, channels, k, max_side, seed, dtype, rois_batch=None):

@@ -228,9 +228,10 @@ struct ListWalk {
 
 // Whether staged row r of band `bi` is also staged by a neighbouring band: such rows are
 // zeroed beforehand (zero_shared_rows) and added to with atomics, every other row is stored.
+// The last band's rows past its core are its own (no band after it).
 __device__ __forceinline__ bool shared_row(const BandPlan& plan, int bi, int r) {
   const int first = bi * plan.core;
-  return (bi > 0 && r < first + plan.overlap) || r >= first + plan.core;
+  return (bi > 0 && r < first + plan.overlap) || (r >= first + plan.core && bi + 1 < plan.bands);
 }
 
 // Zeroes rows [first, first + overlap) of bands 1 .. bands - 1 (clamped to H) in every plane

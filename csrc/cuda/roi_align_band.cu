@@ -223,9 +223,11 @@ __global__ void band_taps_kernel(
       }
     }
     if (is_y) {
-      // A bin row with no sample row on the map (or of an invalid RoI) is all zeros and has no
-      // gradient: it goes to the discard key batch * bands, which no band block visits.
-      const int band = lo_min == INT_MAX ? 0 : lo_min / plan.core;
+      // A bin row belongs to the band whose core rows hold its first sample row, or to the last
+      // band (whose window reaches the map's last row). One with no sample row on the map (or
+      // of an invalid RoI) is all zeros and has no gradient: it goes to the discard key
+      // batch * bands, which no band block visits.
+      const int band = lo_min == INT_MAX ? 0 : min(lo_min / plan.core, plan.bands - 1);
       my_key = (b < 0 || lo_min == INT_MAX) ? static_cast<int32_t>(batch * plan.bands)
                                             : static_cast<int32_t>(b * plan.bands + band);
       my_row = k * pooled_height + p;
@@ -1241,13 +1243,16 @@ int64_t rotated_rows(int64_t width, int64_t& stride) {
 }
 
 // Bands of `core` + `overlap` rows of 32-byte pixels, rows `stride` pixels apart, for a plane
-// `height` rows tall.
+// `height` rows tall: the fewest whose last window reaches row `height`. With overlap, a band
+// whose rows would all lie inside the window before it has no blocks: its bin rows belong to
+// that last band (band_taps_kernel), which holds them whole (BENCHMARKS.md, "roi_align band
+// forward: no band inside the one before it").
 BandPlan rotated_bands(int64_t height, int64_t stride, int64_t core, int64_t overlap) {
   BandPlan p;
   p.stride = static_cast<int>(stride);
   p.core = static_cast<int>(core);
   p.overlap = static_cast<int>(overlap);
-  p.bands = static_cast<int>(cuda::ceil_div(height, core));
+  p.bands = static_cast<int>(cuda::ceil_div(std::max<int64_t>(height - overlap, 1), core));
   p.smem_bytes = (core + overlap) * stride * kRotatedPixelBytes;
   return p;
 }
