@@ -613,12 +613,14 @@ __device__ __forceinline__ void prefetch_later_band(
 #endif
 }
 
-// Threads of a block of roi_align_band_forward_rotated_kernel (one block per SM): float32 1024;
-// 16-bit maps 512, whose lanes at sampling ratio 2 hold the sums of a bin's sixteen channels and
-// take 128 registers without spilling (at 768 or 1024 threads they spill and are slower:
-// BENCHMARKS.md, "roi_align 16-bit band forward: sixteen channels per staged pixel").
+// Threads of a block of roi_align_band_forward_rotated_kernel (one block per SM): float32 768,
+// 80 registers a thread, 1-2 µs faster than 1024 at 64 (896 and 640 were slower: BENCHMARKS.md,
+// "roi_align band forward: no band inside the one before it, 768 threads"); 16-bit maps 512,
+// whose lanes at sampling ratio 2 hold the sums of a bin's sixteen channels and take 128
+// registers without spilling (at 768 or 1024 threads they spill and are slower: BENCHMARKS.md,
+// "roi_align 16-bit band forward: sixteen channels per staged pixel").
 template <typename scalar_t>
-struct RotatedForwardThreads : std::integral_constant<int, sizeof(scalar_t) == 4 ? kWideBandThreads : 512> {};
+struct RotatedForwardThreads : std::integral_constant<int, sizeof(scalar_t) == 4 ? 768 : 512> {};
 
 // The 16-byte half pixel at a shared address as float: four float32 channels, or eight 16-bit
 // ones unpacked from their words (bfloat16 by a shift or a mask, float16 by conversions).
