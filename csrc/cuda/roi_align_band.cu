@@ -614,11 +614,11 @@ __device__ __forceinline__ void prefetch_later_band(
 }
 
 // Threads of a block of roi_align_band_forward_rotated_kernel (one block per SM): float32 768,
-// 80 registers a thread, 1-2 µs faster than 1024 at 64 (896 and 640 were slower: BENCHMARKS.md,
-// "roi_align band forward: no band inside the one before it, 768 threads"); 16-bit maps 512,
-// whose lanes at sampling ratio 2 hold the sums of a bin's sixteen channels and take 128
-// registers without spilling (at 768 or 1024 threads they spill and are slower: BENCHMARKS.md,
-// "roi_align 16-bit band forward: sixteen channels per staged pixel").
+// up to 80 registers a thread, 0.3-1.5 µs faster than 1024 at 64 (896 and 640 were slower:
+// BENCHMARKS.md, "roi_align band forward: no band inside the one before it, 768 threads");
+// 16-bit maps 512, whose lanes at sampling ratio 2 hold the sums of a bin's sixteen channels
+// and take 128 registers without spilling (at 768 or 1024 threads they spill and are slower:
+// BENCHMARKS.md, "roi_align 16-bit band forward: sixteen channels per staged pixel").
 template <typename scalar_t>
 struct RotatedForwardThreads : std::integral_constant<int, sizeof(scalar_t) == 4 ? 768 : 512> {};
 
@@ -1248,7 +1248,7 @@ int64_t rotated_rows(int64_t width, int64_t& stride) {
 // `height` rows tall: the fewest whose last window reaches row `height`. With overlap, a band
 // whose rows would all lie inside the window before it has no blocks: its bin rows belong to
 // that last band (band_taps_kernel), which holds them whole (BENCHMARKS.md, "roi_align band
-// forward: no band inside the one before it").
+// forward: no band inside the one before it, 768 threads").
 BandPlan rotated_bands(int64_t height, int64_t stride, int64_t core, int64_t overlap) {
   BandPlan p;
   p.stride = static_cast<int>(stride);
