@@ -1196,8 +1196,8 @@ def test_cuda_band_last_band_holds_the_rows_past_its_core(tmp_path, size, bands)
     # Bin rows whose first sample row lies past the last band's core (rows 195-199 at 7x7,
     # 198-199 at 14x14) belong to the last band, which holds them whole. In the backward through
     # the overlapping bands (float32 at 14x14), the last band's rows past its core are its own:
-    # stored, not added to a buffer that nothing zeroed (the allocator hands it back full of
-    # NaN here).
+    # stored, not added to a buffer that nothing zeroed (a block of the buffer's size is freed
+    # full of NaN just before, which the caching allocator hands out again for it, best fit).
     import json
 
     from torch.profiler import ProfilerActivity, profile
@@ -1213,7 +1213,7 @@ def test_cuda_band_last_band_holds_the_rows_past_its_core(tmp_path, size, bands)
     results = {}
     for kernel in ("band", "gather"):
         xg = x.clone().requires_grad_()
-        torch.full((2, 16, 200, 304), float("nan"), device="cuda")  # freed: its block comes back
+        torch.full((2, 16, 200, 304), float("nan"), device="cuda")  # freed at once
         with roi_kernel(kernel), profile(activities=[ProfilerActivity.CUDA]) as prof:
             out = roi_align(xg, rois, size, 0.25, 2, True)
             out.backward(grad)
