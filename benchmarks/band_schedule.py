@@ -13,9 +13,11 @@ block's list read and staging, plus its bin rows' computation; times from
 `benchmarks/band_trace.py`) and hands the blocks, in a given order, to whichever SM is free
 first. It prints the modeled kernel time and each SM's idle time at the end for: launch order;
 the last group's blocks split in two, the second halves in a row of blocks after the others
-(what the kernel does where the grid has two waves or more); and each group's bands ordered by
-their bin rows. BENCHMARKS.md, "roi_align band forward: lists in shared memory, the last blocks
-split", and "no band inside the one before it, 768 threads".
+(what the kernel did where the grid has two waves or more until the change below); that split
+with the keys of its last three rows (the last two groups and the split row) taken heaviest
+first, as the kernel does now; and each group's bands ordered by their bin rows. BENCHMARKS.md,
+"roi_align band forward: lists in shared memory, the last blocks split", "no band inside the
+one before it, 768 threads" and "the last rows' keys heaviest first".
 """
 import argparse
 import heapq
@@ -72,6 +74,22 @@ def schedule(blocks, sms, first, later, per_row, gap):
     return last, statistics.median(last - e for e in end)
 
 
+def grid_blocks(column, groups, split=True, heavy_rows=0):
+    """Bin rows of each block in launch order: `groups` rows of the keys' counts `column` (the
+    discard key last); with split, the last row's lists halved at a multiple of 4 entries and
+    the second halves in a row of their own; the last heavy_rows rows (the split row included)
+    with their keys longest list first, equal lists in key order, the discard key's column in
+    its place (heavy_first_key in roi_align_band.cu)."""
+    keys = len(column) - 1
+    heavy = sorted(range(keys), key=lambda k: (-column[k], k)) + [keys]
+    halves = [n // 2 // 4 * 4 for n in column]
+    grid = [list(column) for _ in range(groups - 1)]
+    grid += [halves, [n - h for n, h in zip(column, halves)]] if split else [list(column)]
+    for r in range(max(len(grid) - heavy_rows, 0), len(grid)):
+        grid[r] = [grid[r][k] for k in heavy]
+    return [n for row in grid for n in row]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=7, help="pooled output size")
@@ -95,14 +113,12 @@ def main():
         f"bin rows per key {counts[:-1]} (discarded {counts[-1]})"
     )
     column = counts[:-1] + [0]  # the discard key's blocks write zeros and end
-    launch = column * rows
-    halves = [n // 2 // 4 * 4 for n in column]
-    split = column * (rows - 1) + halves + [n - h for n, h in zip(column, halves)]
     by_rows = sorted(column, reverse=True) * rows
     times = dict(first=args.first, later=args.later, per_row=args.per_row, gap=args.gap)
     for name, blocks in (
-        ("launch order", launch),
-        ("last group split in two", split),
+        ("launch order", grid_blocks(column, rows, split=False)),
+        ("last group split in two", grid_blocks(column, rows)),
+        ("split, the last three rows' keys heaviest first", grid_blocks(column, rows, heavy_rows=3)),
         ("each group's bands by bin rows", by_rows),
     ):
         kernel, idle = schedule(blocks, args.sms, **times)

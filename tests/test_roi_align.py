@@ -1188,6 +1188,44 @@ def test_cuda_band_forward_last_group_split(tmp_path, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_band_forward_last_rows_heaviest_first(tmp_path, dtype):
+    # In the last three rows of the conflict-free band forward's grid (the last two groups of
+    # channels and the row the split adds), block x takes the key with the x-th longest list,
+    # equal lists in key order, so that each key is taken once per row. Here every RoI lies in
+    # image 0, above map row 100: image 1's 13 keys and image 0's lower ones have empty lists
+    # (equal), the others lists of different lengths. Each group of channels gets the bits of
+    # a call of its own (one group, taken in key order), and the values of the gather kernels.
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from detops.ops._utils import roi_kernel
+
+    channels = 256
+    step = 8 if dtype == torch.float32 else 16  # channels per staged pixel
+    x, rois = _benchmark_sized(2, channels, 1024, 200, 23, dtype, rois_batch=1)
+    rois[:, 2::2] *= 0.5
+    with roi_kernel("band"):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = roi_align(x, rois, (7, 7), 0.25, 2, True)
+            torch.cuda.synchronize()
+        trace = tmp_path / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        grids = [e["args"]["grid"] for e in json.loads(trace.read_text())["traceEvents"]
+                 if "band_forward_rotated" in e.get("name", "") and "grid" in e.get("args", {})]
+        # 2 x 13 keys and the discard key; the groups of channels and the split row: the three
+        # rows taken heaviest first lie past the first wave (one block an SM)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert len(grids) == 1 and grids[0][0] == 27 and (grids[0][1] - 3) * 27 >= sms, grids
+        for lo in range(channels - 4 * step, channels, step):
+            part = roi_align(x[:, lo : lo + step].contiguous(), rois, (7, 7), 0.25, 2, True)
+            assert torch.equal(out[:, lo : lo + step], part), lo
+        assert torch.equal(roi_align(x, rois, (7, 7), 0.25, 2, True), out)
+    _assert_close_to_gather(out, x, rois)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("size, bands", [(7, 13), (14, 11)])
 def test_cuda_band_last_band_holds_the_rows_past_its_core(tmp_path, size, bands):
     # On a 200-row map the float32 plan stages bands of 23 rows: 8 of them overlap at 7x7 (band

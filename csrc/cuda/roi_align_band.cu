@@ -344,11 +344,38 @@ __device__ __forceinline__ BandBlock band_place(const BandShape& sh, const BandP
 }
 
 __device__ __forceinline__ BandBlock band_block(
-    const int32_t* __restrict__ offsets, const BandShape& sh, const BandPlan& plan) {
-  BandBlock k = band_place(sh, plan);
-  k.first_row = offsets[blockIdx.x];
-  k.n = offsets[blockIdx.x + 1] - k.first_row;
+    const int32_t* __restrict__ offsets, const BandShape& sh, const BandPlan& plan, int64_t key) {
+  BandBlock k = band_place_at(sh, plan, key, blockIdx.y);
+  k.first_row = offsets[key];
+  k.n = offsets[key + 1] - k.first_row;
   return k;
+}
+
+__device__ __forceinline__ BandBlock band_block(
+    const int32_t* __restrict__ offsets, const BandShape& sh, const BandPlan& plan) {
+  return band_block(offsets, sh, plan, blockIdx.x);
+}
+
+// The most keys (bands of all images) whose blocks a band forward can take heaviest first
+// (heavy_first_key).
+constexpr int kMaxHeavyFirstKeys = 64;
+
+// The key whose list is the x-th longest of the num_keys keys (at most kMaxHeavyFirstKeys; equal
+// lists in key order), from the lists' offsets: lane l holds keys l and l + 32 and counts the
+// keys ahead of each. All 32 lanes of a warp call it with the same x.
+__device__ __forceinline__ int32_t heavy_first_key(const int32_t* __restrict__ offsets, int num_keys, int64_t x) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int32_t n0 = lane < num_keys ? offsets[lane + 1] - offsets[lane] : -1;
+  const int32_t n1 = lane + 32 < num_keys ? offsets[lane + 33] - offsets[lane + 32] : -1;
+  int r0 = 0, r1 = 0;
+  for (int j = 0; j < num_keys; ++j) {
+    const int32_t nj = __shfl_sync(0xffffffffu, j < 32 ? n0 : n1, j & 31);
+    r0 += nj > n0 || (nj == n0 && j < lane);
+    r1 += nj > n1 || (nj == n1 && j < lane + 32);
+  }
+  const unsigned m0 = __ballot_sync(0xffffffffu, lane < num_keys && r0 == x);
+  const unsigned m1 = __ballot_sync(0xffffffffu, lane + 32 < num_keys && r1 == x);
+  return m0 != 0 ? __ffs(m0) - 1 : 31 + __ffs(m1);
 }
 
 // Whether this block of a band forward launched early stages its first channels' band before
@@ -461,9 +488,9 @@ template <typename scalar_t, typename acc_t, int G>
 __device__ __forceinline__ BandBlock listed_band_block(
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, const BandShape& sh,
     const BandPlan& plan, int32_t discard, const BandTap<acc_t>* __restrict__ taps,
-    scalar_t* __restrict__ output) {
+    scalar_t* __restrict__ output, int64_t key = -1) {
   plane_band::wait_for_prior_grid();  // the lists and taps
-  BandBlock blk = band_block(offsets, sh, plan);
+  BandBlock blk = band_block(offsets, sh, plan, key < 0 ? static_cast<int64_t>(blockIdx.x) : key);
   if (blk.n > 0 && static_cast<int32_t>(blockIdx.x) == discard) {
     zero_discarded_bins<scalar_t, acc_t, G>(blk, rows, sh, taps, output);
     blk.n = 0;
@@ -590,15 +617,20 @@ constexpr int64_t kRotatedListBytes = 8192;
 // rounded inwards to 16 bytes, as the bulk prefetch needs; a hint only, on sm_90 and later.
 // The row of blocks a split adds (split_last_group) lies past the last group of channels, so
 // nothing is asked for it: its blocks stage the bands the last group's blocks staged before.
+// In rows from heavy_from on, the later block's key is heavy_first_key's, as in the kernel.
+// Called by the whole of the block's first warp.
 template <typename T>
 __device__ __forceinline__ void prefetch_later_band(
     const T* __restrict__ input, const int32_t* __restrict__ offsets, const BandShape& sh,
-    const BandPlan& plan, int32_t discard, int ahead) {
+    const BandPlan& plan, int32_t discard, int ahead, int heavy_from) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (ahead <= 0 || static_cast<int>(threadIdx.x) >= sh.channels_per_block) return;
+  if (ahead <= 0) return;
   const int64_t later = blockIdx.x + static_cast<int64_t>(blockIdx.y) * gridDim.x + ahead;
-  const int64_t key = later % gridDim.x, group = later / gridDim.x;
-  if (group >= gridDim.y || key >= discard || offsets[key + 1] == offsets[key]) return;
+  int64_t key = later % gridDim.x;
+  const int64_t group = later / gridDim.x;
+  if (group >= gridDim.y || key >= discard) return;
+  if (group >= heavy_from) key = heavy_first_key(offsets, discard, key);  // the whole warp
+  if (static_cast<int>(threadIdx.x) >= sh.channels_per_block || offsets[key + 1] == offsets[key]) return;
   const int64_t c = group * sh.channels_per_block + threadIdx.x;
   if (c >= sh.channels) return;
   const BandRows w = plane_band::band_rows(plan, static_cast<int>(key % plan.bands), sh.height);
@@ -697,7 +729,8 @@ template <typename scalar_t, int G, int kThreads>
 __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kernel(
     const scalar_t* __restrict__ input, const BandTap<float>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
-    BandPlan plan, int32_t discard, scalar_t* __restrict__ output, int ahead, int list_cap, int early_blocks) {
+    BandPlan plan, int32_t discard, scalar_t* __restrict__ output, int ahead, int list_cap, int heavy_from,
+    int early_blocks) {
   static_assert(sizeof(scalar_t) == 4 || sizeof(scalar_t) == 2, "float32 or 16-bit maps");
   constexpr int kLane = 16 / static_cast<int>(sizeof(scalar_t));  // channels per lane: 16 bytes
   constexpr int kPixel = 2 * kLane;                                 // channels per staged pixel: 32 bytes
@@ -710,7 +743,22 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
   const int groups = static_cast<int>((sh.channels + sh.channels_per_block - 1) / sh.channels_per_block);
   const bool split = static_cast<int>(gridDim.y) > groups;
   const bool second_half = static_cast<int>(blockIdx.y) == groups;
-  const BandBlock place_in_grid = band_place_at(sh, plan, blockIdx.x, min(static_cast<int>(blockIdx.y), groups - 1));
+  // The block's key: its column, or in the rows from heavy_from on (the last to start, none of
+  // them in the first wave), the key with the blockIdx.x-th longest list, so that the longest
+  // of them start first (BENCHMARKS.md, "roi_align band forward: the last rows' keys heaviest
+  // first"). The discard key's column keeps its place.
+  int32_t key = static_cast<int32_t>(blockIdx.x);
+  if (static_cast<int>(blockIdx.y) >= heavy_from && key < discard) {
+    plane_band::wait_for_prior_grid();  // the lists' offsets
+    int32_t* const slot = reinterpret_cast<int32_t*>(smem + plan.smem_bytes) + list_cap;  // past the list
+    if (threadIdx.x < 32) {
+      const int32_t k = heavy_first_key(offsets, discard, key);
+      if (threadIdx.x == 0) *slot = k;
+    }
+    __syncthreads();
+    key = *slot;
+  }
+  const BandBlock place_in_grid = band_place_at(sh, plan, key, min(static_cast<int>(blockIdx.y), groups - 1));
   const int64_t b = place_in_grid.b, c0 = place_in_grid.c0;
   const int nc = place_in_grid.nc;
   const BandRows window = plane_band::band_rows(plan, place_in_grid.bi, sh.height);
@@ -795,7 +843,7 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
   if (early) stage(0);
   if (second_half && static_cast<int32_t>(blockIdx.x) == discard) return;  // the last group's block zeroes them all
   // (its first row and entries; its channels are place_in_grid's)
-  const BandBlock blk = listed_band_block<scalar_t, float, G>(offsets, rows, sh, plan, discard, taps, output);
+  const BandBlock blk = listed_band_block<scalar_t, float, G>(offsets, rows, sh, plan, discard, taps, output, key);
   // the block's entries [e0, e1) of the list; a split at a multiple of 4 entries keeps each
   // item's place in the walk (items of the second half start at its first lane pair), so the
   // bins get the same bits as without the split
@@ -832,7 +880,7 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
       }
     }
     __syncthreads();
-    if (ci == 0) prefetch_later_band(input, offsets, sh, plan, discard, ahead);
+    if (ci == 0 && threadIdx.x < 32) prefetch_later_band(input, offsets, sh, plan, discard, ahead, heavy_from);
     // Lane pair (2i, 2i + 1) computes item i of the walk: a bin's kPixel channels. At sampling
     // ratio 2 the pair splits the bin's sample rows instead of its channels: lane h takes sample
     // row h with all kPixel channels, each of its sample's four loads reading the 16-byte half h
@@ -1535,9 +1583,25 @@ bool roi_align_forward_band(
               plane_band::band_budget(1 << 30, 0),
               static_cast<int64_t>(props->sharedMemPerMultiprocessor) / per_sm - 1024) - static_cast<int64_t>(s.smem);
           const int64_t list_bytes = std::clamp<int64_t>(room, 0, kRotatedListBytes) / 16 * 16;
-          if (split_last_group(grid, per_sm * props->multiProcessorCount)) grid.y += 1;
-          launch(roi_align_band_forward_rotated_kernel<scalar_t, G, kThreads>, kThreads, s.smem + list_bytes, ahead,
-                 static_cast<int>(list_bytes / 4));
+          const bool split = split_last_group(grid, per_sm * props->multiProcessorCount);
+          if (split) grid.y += 1;
+          // the list's last int holds the key of a block that takes its key heaviest first
+          const int list_ints = static_cast<int>(list_bytes / 4);
+          const size_t smem = s.smem + static_cast<size_t>(list_bytes);
+          const int64_t wave = blocks_per_sm(smem, kThreads) * props->multiProcessorCount;
+          // Where the last group is split, its row, the split row and the row before them take
+          // their keys heaviest first (the last blocks to start then are the lightest), as far
+          // as the keys are few enough and none of those rows is in the first wave, whose
+          // blocks stage their band before the lists exist. 14x14 3.6 µs faster, 7x7 no
+          // faster; from more rows on, slower (BENCHMARKS.md, "roi_align band forward: the last
+          // rows' keys heaviest first").
+          int heavy_from = static_cast<int>(grid.y);
+          if (split && list_ints >= 1 && s.num_keys <= kMaxHeavyFirstKeys) {
+            const int64_t from = static_cast<int64_t>(grid.y) - 3;
+            if (from >= 1 && from * grid.x >= (early ? wave : 0)) heavy_from = static_cast<int>(from);
+          }
+          launch(roi_align_band_forward_rotated_kernel<scalar_t, G, kThreads>, kThreads, smem, ahead,
+                 std::max(list_ints - 1, 0), heavy_from);
           return;
         }
       }
