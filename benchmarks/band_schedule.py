@@ -15,7 +15,8 @@ first. It prints the modeled kernel time and each SM's idle time at the end for:
 the last group's blocks split in two, the second halves in a row of blocks after the others
 (what the kernel did where the grid has two waves or more until the change below); that split
 with the keys of its last three rows (the last two groups and the split row) taken heaviest
-first, as the kernel does now; and each group's bands ordered by their bin rows. BENCHMARKS.md,
+first; that order with the lists cut 5/8 and 3/8, as the kernel does now; and each group's
+bands ordered by their bin rows. BENCHMARKS.md,
 "roi_align band forward: lists in shared memory, the last blocks split", "no band inside the
 one before it, 768 threads" and "the last rows' keys heaviest first".
 """
@@ -74,17 +75,18 @@ def schedule(blocks, sms, first, later, per_row, gap):
     return last, statistics.median(last - e for e in end)
 
 
-def grid_blocks(column, groups, split=True, heavy_rows=0):
+def grid_blocks(column, groups, split=True, heavy_rows=0, first=0.5):
     """Bin rows of each block in launch order: `groups` rows of the keys' counts `column` (the
-    discard key last); with split, the last row's lists halved at a multiple of 4 entries and
-    the second halves in a row of their own; the last heavy_rows rows (the split row included)
-    with their keys longest list first, equal lists in key order, the discard key's column in
-    its place (heavy_first_key in roi_align_band.cu)."""
+    discard key last); with split, the last row's lists cut at the multiple of 4 entries at or
+    below `first` of each (the kernel's 5/8 since the heavy-first order, 1/2 before) and the
+    rest in a row of their own; the last heavy_rows rows (the split row included) with their
+    keys longest list first, equal lists in key order, the discard key's column in its place
+    (heavy_first_key in roi_align_band.cu)."""
     keys = len(column) - 1
     heavy = sorted(range(keys), key=lambda k: (-column[k], k)) + [keys]
-    halves = [n // 2 // 4 * 4 for n in column]
+    firsts = [int(n * first) // 4 * 4 for n in column]
     grid = [list(column) for _ in range(groups - 1)]
-    grid += [halves, [n - h for n, h in zip(column, halves)]] if split else [list(column)]
+    grid += [firsts, [n - h for n, h in zip(column, firsts)]] if split else [list(column)]
     for r in range(max(len(grid) - heavy_rows, 0), len(grid)):
         grid[r] = [grid[r][k] for k in heavy]
     return [n for row in grid for n in row]
@@ -119,6 +121,7 @@ def main():
         ("launch order", grid_blocks(column, rows, split=False)),
         ("last group split in two", grid_blocks(column, rows)),
         ("split, the last three rows' keys heaviest first", grid_blocks(column, rows, heavy_rows=3)),
+        ("the same, split 5/8 and 3/8 (the kernel)", grid_blocks(column, rows, heavy_rows=3, first=5 / 8)),
         ("each group's bands by bin rows", by_rows),
     ):
         kernel, idle = schedule(blocks, args.sms, **times)

@@ -76,9 +76,12 @@ def test_band_schedule_model():
     kernel, idle = band_schedule.schedule([10, 10, 10], 2, first=1.0, later=1.0, per_row=1000.0, gap=0.0)
     assert (kernel, idle) == (22.0, 5.5)
     # three keys and the discard key, three groups: the last row split at a multiple of 4
-    # entries; the last three rows (the split row included) take their keys longest list first,
-    # equal lists in key order, the discard key's column in its place
+    # entries (at or below half, or 5/8, of each list); the last three rows (the split row
+    # included) take their keys longest list first, equal lists in key order, the discard key's
+    # column in its place
     column = [9, 20, 9, 0]
     assert band_schedule.grid_blocks(column, 3, split=False) == column * 3
     assert band_schedule.grid_blocks(column, 3) == column * 2 + [4, 8, 4, 0] + [5, 12, 5, 0]
     assert band_schedule.grid_blocks(column, 3, heavy_rows=3) == [9, 20, 9, 0, 20, 9, 9, 0, 8, 4, 4, 0, 12, 5, 5, 0]
+    assert band_schedule.grid_blocks(column, 3, heavy_rows=3, first=5 / 8) == [
+        9, 20, 9, 0, 20, 9, 9, 0, 12, 4, 4, 0, 8, 5, 5, 0]

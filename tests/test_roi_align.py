@@ -1146,11 +1146,11 @@ def test_cuda_band_forward_first_wave_without_bin_rows(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_band_forward_last_group_split(tmp_path, dtype):
     # With two waves of blocks or more, the conflict-free band forward splits each key's list
-    # between the last group's block and one more block of the same channels (a row of blocks
-    # added to the grid). The split falls on a multiple of four entries, which keeps each bin's
-    # place in its block's walk: the last channels get the bits of a call of their own (one
-    # group, no split). RoIs off the maps (the discard key's bin rows, which the last group's
-    # first block zeroes alone) stay zeros.
+    # between the last group's block (about 5/8 of it) and one more block of the same channels
+    # (a row of blocks added to the grid). The split falls on a multiple of four entries, which
+    # keeps each bin's place in its block's walk: the last channels get the bits of a call of
+    # their own (one group, no split). RoIs off the maps (the discard key's bin rows, which the
+    # last group's first block zeroes alone) stay zeros.
     import json
 
     from torch.profiler import ProfilerActivity, profile

@@ -35,7 +35,8 @@
 // of a block about a wave later (prefetch_later_band). Its blocks keep the start of their list
 // in the shared memory after the band, and where the grid holds two waves or more, the blocks
 // of the last group of channels share each key's list with a row of blocks added to the grid
-// (split_last_group), so that the blocks that start last end sooner. float64 maps (and maps
+// (split_last_group), so that the blocks that start last end sooner; those two rows and the
+// one before them take their keys longest list first (heavy_first_key). float64 maps (and maps
 // too wide for its bands) take roi_align_band_forward_kernel: two or four channels per pixel,
 // a bin the same sum, term for term, as in the tiled gather kernel.
 // Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
@@ -360,13 +361,19 @@ __device__ __forceinline__ BandBlock band_block(
 // (heavy_first_key).
 constexpr int kMaxHeavyFirstKeys = 64;
 
+// A key and its list: rows[first .. first + n) (offsets[key], offsets[key + 1] - offsets[key]).
+struct KeyList {
+  int32_t key, first, n;
+};
+
 // The key whose list is the x-th longest of the num_keys keys (at most kMaxHeavyFirstKeys; equal
-// lists in key order), from the lists' offsets: lane l holds keys l and l + 32 and counts the
-// keys ahead of each. All 32 lanes of a warp call it with the same x.
-__device__ __forceinline__ int32_t heavy_first_key(const int32_t* __restrict__ offsets, int num_keys, int64_t x) {
+// lists in key order), and its list, from the lists' offsets: lane l holds keys l and l + 32
+// and counts the keys ahead of each. All 32 lanes of a warp call it with the same x.
+__device__ __forceinline__ KeyList heavy_first_key(const int32_t* __restrict__ offsets, int num_keys, int64_t x) {
   const int lane = static_cast<int>(threadIdx.x % 32);
-  const int32_t n0 = lane < num_keys ? offsets[lane + 1] - offsets[lane] : -1;
-  const int32_t n1 = lane + 32 < num_keys ? offsets[lane + 33] - offsets[lane + 32] : -1;
+  const int32_t f0 = lane < num_keys ? offsets[lane] : 0, f1 = lane + 32 < num_keys ? offsets[lane + 32] : 0;
+  const int32_t n0 = lane < num_keys ? offsets[lane + 1] - f0 : -1;
+  const int32_t n1 = lane + 32 < num_keys ? offsets[lane + 33] - f1 : -1;
   int r0 = 0, r1 = 0;
   for (int j = 0; j < num_keys; ++j) {
     const int32_t nj = __shfl_sync(0xffffffffu, j < 32 ? n0 : n1, j & 31);
@@ -375,7 +382,10 @@ __device__ __forceinline__ int32_t heavy_first_key(const int32_t* __restrict__ o
   }
   const unsigned m0 = __ballot_sync(0xffffffffu, lane < num_keys && r0 == x);
   const unsigned m1 = __ballot_sync(0xffffffffu, lane + 32 < num_keys && r1 == x);
-  return m0 != 0 ? __ffs(m0) - 1 : 31 + __ffs(m1);
+  const int key = m0 != 0 ? __ffs(m0) - 1 : 31 + __ffs(m1);
+  const bool high = key >= 32;
+  return KeyList{key, __shfl_sync(0xffffffffu, high ? f1 : f0, key & 31),
+                 __shfl_sync(0xffffffffu, high ? n1 : n0, key & 31)};
 }
 
 // Whether this block of a band forward launched early stages its first channels' band before
@@ -629,8 +639,15 @@ __device__ __forceinline__ void prefetch_later_band(
   int64_t key = later % gridDim.x;
   const int64_t group = later / gridDim.x;
   if (group >= gridDim.y || key >= discard) return;
-  if (group >= heavy_from) key = heavy_first_key(offsets, discard, key);  // the whole warp
-  if (static_cast<int>(threadIdx.x) >= sh.channels_per_block || offsets[key + 1] == offsets[key]) return;
+  int32_t n;
+  if (group >= heavy_from) {
+    const KeyList h = heavy_first_key(offsets, discard, key);  // the whole warp
+    key = h.key;
+    n = h.n;
+  } else {
+    n = offsets[key + 1] - offsets[key];
+  }
+  if (static_cast<int>(threadIdx.x) >= sh.channels_per_block || n == 0) return;
   const int64_t c = group * sh.channels_per_block + threadIdx.x;
   if (c >= sh.channels) return;
   const BandRows w = plane_band::band_rows(plan, static_cast<int>(key % plan.bands), sh.height);
@@ -745,18 +762,26 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
   const bool second_half = static_cast<int>(blockIdx.y) == groups;
   // The block's key: its column, or in the rows from heavy_from on (the last to start, none of
   // them in the first wave), the key with the blockIdx.x-th longest list, so that the longest
-  // of them start first (BENCHMARKS.md, "roi_align band forward: the last rows' keys heaviest
-  // first"). The discard key's column keeps its place.
+  // of them start first, and its list, which the first warp hands to the others through the
+  // three ints past the shared list (BENCHMARKS.md, "roi_align band forward: the last rows'
+  // keys heaviest first"). The discard key's column keeps its place.
   int32_t key = static_cast<int32_t>(blockIdx.x);
-  if (static_cast<int>(blockIdx.y) >= heavy_from && key < discard) {
+  const bool heavy = static_cast<int>(blockIdx.y) >= heavy_from && key < discard;
+  KeyList heavy_list{key, 0, 0};
+  if (heavy) {
     plane_band::wait_for_prior_grid();  // the lists' offsets
     int32_t* const slot = reinterpret_cast<int32_t*>(smem + plan.smem_bytes) + list_cap;  // past the list
     if (threadIdx.x < 32) {
-      const int32_t k = heavy_first_key(offsets, discard, key);
-      if (threadIdx.x == 0) *slot = k;
+      const KeyList h = heavy_first_key(offsets, discard, key);
+      if (threadIdx.x == 0) {
+        slot[0] = h.key;
+        slot[1] = h.first;
+        slot[2] = h.n;
+      }
     }
     __syncthreads();
-    key = *slot;
+    heavy_list = KeyList{slot[0], slot[1], slot[2]};
+    key = heavy_list.key;
   }
   const BandBlock place_in_grid = band_place_at(sh, plan, key, min(static_cast<int>(blockIdx.y), groups - 1));
   const int64_t b = place_in_grid.b, c0 = place_in_grid.c0;
@@ -843,13 +868,21 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
   if (early) stage(0);
   if (second_half && static_cast<int32_t>(blockIdx.x) == discard) return;  // the last group's block zeroes them all
   // (its first row and entries; its channels are place_in_grid's)
-  const BandBlock blk = listed_band_block<scalar_t, float, G>(offsets, rows, sh, plan, discard, taps, output, key);
-  // the block's entries [e0, e1) of the list; a split at a multiple of 4 entries keeps each
-  // item's place in the walk (items of the second half start at its first lane pair), so the
-  // bins get the same bits as without the split
+  BandBlock blk;
+  if (heavy) {
+    blk = band_place_at(sh, plan, key, blockIdx.y);
+    blk.first_row = heavy_list.first;
+    blk.n = heavy_list.n;
+  } else {
+    blk = listed_band_block<scalar_t, float, G>(offsets, rows, sh, plan, discard, taps, output, key);
+  }
+  // the block's entries [e0, e1) of the list: where split, the last group's block takes about
+  // 5/8 of them and the split row's, which starts about a row of blocks later, the rest. A split
+  // at a multiple of 4 entries keeps each item's place in the walk (items of the second part
+  // start at its first lane pair), so the bins get the same bits as without the split.
   int e0 = 0, e1 = blk.n;
   if (split && static_cast<int>(blockIdx.y) >= groups - 1) {
-    const int mid = (blk.n / 2) & ~3;
+    const int mid = (blk.n * 5 / 8) & ~3;
     if (second_half) {
       e0 = mid;
     } else {
@@ -1477,8 +1510,8 @@ int64_t blocks_per_sm(size_t smem, int threads) {
       props->maxThreadsPerMultiProcessor / threads));
 }
 
-// Whether the conflict-free band forward's blocks of the last group of channels each take half of
-// their key's list, the other half going to a row of blocks added to the grid: where the grid
+// Whether the conflict-free band forward's blocks of the last group of channels each take part of
+// their key's list (about 5/8), the rest going to a row of blocks added to the grid: where the grid
 // holds two waves of blocks or more, so that the blocks that start last end sooner, for the
 // price of staging their bands twice (and where the grid has a row to spare).
 bool split_last_group(dim3 grid, int64_t wave) {
@@ -1585,23 +1618,25 @@ bool roi_align_forward_band(
           const int64_t list_bytes = std::clamp<int64_t>(room, 0, kRotatedListBytes) / 16 * 16;
           const bool split = split_last_group(grid, per_sm * props->multiProcessorCount);
           if (split) grid.y += 1;
-          // the list's last int holds the key of a block that takes its key heaviest first
+          // the list's last three ints hold the key and list of a block that takes its key
+          // heaviest first
           const int list_ints = static_cast<int>(list_bytes / 4);
           const size_t smem = s.smem + static_cast<size_t>(list_bytes);
           const int64_t wave = blocks_per_sm(smem, kThreads) * props->multiProcessorCount;
           // Where the last group is split, its row, the split row and the row before them take
           // their keys heaviest first (the last blocks to start then are the lightest), as far
           // as the keys are few enough and none of those rows is in the first wave, whose
-          // blocks stage their band before the lists exist. 14x14 3.6 µs faster, 7x7 no
-          // faster; from more rows on, slower (BENCHMARKS.md, "roi_align band forward: the last
-          // rows' keys heaviest first").
+          // blocks stage their band before the lists exist. float32 14x14 3.6 µs faster, 7x7
+          // no faster; from more rows on, slower. With their lists handed over by the first
+          // warp and split 5/8 and 3/8, bfloat16 7x7 1.8 µs faster (BENCHMARKS.md, "roi_align
+          // band forward: the last rows' keys heaviest first").
           int heavy_from = static_cast<int>(grid.y);
-          if (split && list_ints >= 1 && s.num_keys <= kMaxHeavyFirstKeys) {
+          if (split && list_ints >= 3 && s.num_keys <= kMaxHeavyFirstKeys) {
             const int64_t from = static_cast<int64_t>(grid.y) - 3;
             if (from >= 1 && from * grid.x >= (early ? wave : 0)) heavy_from = static_cast<int>(from);
           }
           launch(roi_align_band_forward_rotated_kernel<scalar_t, G, kThreads>, kThreads, smem, ahead,
-                 std::max(list_ints - 1, 0), heavy_from);
+                 std::max(list_ints - 3, 0), heavy_from);
           return;
         }
       }
