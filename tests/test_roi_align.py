@@ -1151,10 +1151,6 @@ def test_cuda_band_forward_last_group_split(tmp_path, dtype):
     # keeps each bin's place in its block's walk: the last channels get the bits of a call of
     # their own (one group, no split). RoIs off the maps (the discard key's bin rows, which the
     # last group's first block zeroes alone) stay zeros.
-    import json
-
-    from torch.profiler import ProfilerActivity, profile
-
     from detops.ops._utils import roi_kernel
 
     channels = 256
@@ -1163,13 +1159,9 @@ def test_cuda_band_forward_last_group_split(tmp_path, dtype):
     off = rois[:8].clone()
     off[:, 1:] += 5000  # below and right of the maps
     rois = torch.cat([rois, off])
-    with roi_kernel("band"), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = roi_align(x, rois, (7, 7), 0.25, 2, True)
-        torch.cuda.synchronize()
-    trace = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    grids = [e["args"]["grid"] for e in json.loads(trace.read_text())["traceEvents"]
-             if "band_forward_rotated" in e.get("name", "") and "grid" in e.get("args", {})]
+    with roi_kernel("band"):
+        out, events = _kernel_events(lambda: roi_align(x, rois, (7, 7), 0.25, 2, True), tmp_path)
+    grids = _rotated_forward_grids(events)
     # the grid: a column per band of each image (13: rows [15 b, 15 b + 23), the last reaching
     # row 200) and one for the discard key; a row per group of channels (channels_per_block in
     # roi_align_band.cu) and one more
@@ -1196,10 +1188,6 @@ def test_cuda_band_forward_last_rows_heaviest_first(tmp_path, dtype):
     # image 0, above map row 100: image 1's 13 keys and image 0's lower ones have empty lists
     # (equal), the others lists of different lengths. Each group of channels gets the bits of
     # a call of its own (one group, taken in key order), and the values of the gather kernels.
-    import json
-
-    from torch.profiler import ProfilerActivity, profile
-
     from detops.ops._utils import roi_kernel
 
     channels = 256
@@ -1207,13 +1195,8 @@ def test_cuda_band_forward_last_rows_heaviest_first(tmp_path, dtype):
     x, rois = _benchmark_sized(2, channels, 1024, 200, 23, dtype, rois_batch=1)
     rois[:, 2::2] *= 0.5
     with roi_kernel("band"):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            out = roi_align(x, rois, (7, 7), 0.25, 2, True)
-            torch.cuda.synchronize()
-        trace = tmp_path / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        grids = [e["args"]["grid"] for e in json.loads(trace.read_text())["traceEvents"]
-                 if "band_forward_rotated" in e.get("name", "") and "grid" in e.get("args", {})]
+        out, events = _kernel_events(lambda: roi_align(x, rois, (7, 7), 0.25, 2, True), tmp_path)
+        grids = _rotated_forward_grids(events)
         # 2 x 13 keys and the discard key; the groups of channels and the split row: the three
         # rows taken heaviest first lie past the first wave (one block an SM)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -1236,10 +1219,6 @@ def test_cuda_band_last_band_holds_the_rows_past_its_core(tmp_path, size, bands)
     # the overlapping bands (float32 at 14x14), the last band's rows past its core are its own:
     # stored, not added to a buffer that nothing zeroed (a block of the buffer's size is freed
     # full of NaN just before, which the caching allocator hands out again for it, best fit).
-    import json
-
-    from torch.profiler import ProfilerActivity, profile
-
     from detops.ops._utils import roi_kernel
 
     g = torch.Generator().manual_seed(size)
@@ -1252,17 +1231,17 @@ def test_cuda_band_last_band_holds_the_rows_past_its_core(tmp_path, size, bands)
     for kernel in ("band", "gather"):
         xg = x.clone().requires_grad_()
         torch.full((2, 16, 200, 304), float("nan"), device="cuda")  # freed at once
-        with roi_kernel(kernel), profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+        def fwd_bwd():
             out = roi_align(xg, rois, size, 0.25, 2, True)
             out.backward(grad)
-            torch.cuda.synchronize()
+            return out
+
+        with roi_kernel(kernel):
+            out, events = _kernel_events(fwd_bwd, tmp_path, f"{kernel}{size}")
         results[kernel] = (out.detach(), xg.grad)
         if kernel == "band":
-            trace = tmp_path / f"{size}.json"
-            prof.export_chrome_trace(str(trace))
-            events = json.loads(trace.read_text())["traceEvents"]
-            grids = [e["args"]["grid"] for e in events
-                     if "band_forward_rotated" in e.get("name", "") and "grid" in e.get("args", {})]
+            grids = _rotated_forward_grids(events)
             assert [grid[0] for grid in grids] == [2 * bands + 1], grids  # and the discard key's
             names = " ".join(e.get("name", "") for e in events)
             assert ("zero_shared_rows" in names) == (size == 14), names
@@ -1270,6 +1249,26 @@ def test_cuda_band_last_band_holds_the_rows_past_its_core(tmp_path, size, bands)
     assert out_g.abs().sum() > 0 and gi_g[:, :, 190:].abs().sum() > 0
     torch.testing.assert_close(out_b, out_g, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gi_b, gi_g, rtol=1e-5, atol=1e-5)
+
+
+def _kernel_events(fn, tmp_path, name="trace"):
+    """fn()'s result and the events of its CUDA kernels (torch.profiler's chrome trace)."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    trace = tmp_path / f"{name}.json"
+    prof.export_chrome_trace(str(trace))
+    return out, json.loads(trace.read_text())["traceEvents"]
+
+
+def _rotated_forward_grids(events):
+    """The grids of the conflict-free band forward's launches among a trace's events."""
+    return [e["args"]["grid"] for e in events
+            if "band_forward_rotated" in e.get("name", "") and "grid" in e.get("args", {})]
 
 
 def _benchmark_sized(batch, channels, k, max_side, seed, dtype, rois_batch=None):
