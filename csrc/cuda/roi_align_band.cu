@@ -882,7 +882,7 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
   // start at its first lane pair), so the bins get the same bits as without the split.
   int e0 = 0, e1 = blk.n;
   if (split && static_cast<int>(blockIdx.y) >= groups - 1) {
-    const int mid = (blk.n * 5 / 8) & ~3;
+    const int mid = static_cast<int>((static_cast<int64_t>(blk.n) * 5 / 8) & ~int64_t{3});
     if (second_half) {
       e0 = mid;
     } else {
