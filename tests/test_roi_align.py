@@ -1181,22 +1181,26 @@ def test_cuda_band_forward_last_group_split(tmp_path, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_band_forward_last_rows_heaviest_first(tmp_path, dtype):
+@pytest.mark.parametrize("num_rois, grouping", [(1024, "group_ranked_kernel"), (3000, "group_by_owner_kernel")])
+def test_cuda_band_forward_last_rows_heaviest_first(tmp_path, dtype, num_rois, grouping):
     # In the last three rows of the conflict-free band forward's grid (the last two groups of
     # channels and the row the split adds), block x takes the key with the x-th longest list,
-    # equal lists in key order, so that each key is taken once per row. Here every RoI lies in
-    # image 0, above map row 100: image 1's 13 keys and image 0's lower ones have empty lists
-    # (equal), the others lists of different lengths. Each group of channels gets the bits of
-    # a call of its own (one group, taken in key order), and the values of the gather kernels.
+    # equal lists in key order, so that each key is taken once per row; the grouping ranks the
+    # keys, in either of its kernels (3000 RoIs' chunks x keys are too many for the ranked one).
+    # Here every RoI lies in image 0, above map row 100: image 1's 13 keys and image 0's lower
+    # ones have empty lists (equal), the others lists of different lengths. Each group of
+    # channels gets the bits of a call of its own (one group, taken in key order), and the
+    # values of the gather kernels.
     from detops.ops._utils import roi_kernel
 
     channels = 256
     step = 8 if dtype == torch.float32 else 16  # channels per staged pixel
-    x, rois = _benchmark_sized(2, channels, 1024, 200, 23, dtype, rois_batch=1)
+    x, rois = _benchmark_sized(2, channels, num_rois, 200, 23, dtype, rois_batch=1)
     rois[:, 2::2] *= 0.5
     with roi_kernel("band"):
         out, events = _kernel_events(lambda: roi_align(x, rois, (7, 7), 0.25, 2, True), tmp_path)
         grids = _rotated_forward_grids(events)
+        assert any(grouping in e.get("name", "") for e in events), grouping
         # 2 x 13 keys and the discard key; the groups of channels and the split row: the three
         # rows taken heaviest first lie past the first wave (one block an SM)
         sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -327,6 +327,41 @@ constexpr int kGroupWarps = kGroupThreads / 32;
 constexpr int64_t kGroupSharedBytes = 46 * 1024;  // under the 48 KiB a block gets without opt-in
 constexpr int kRowShift = 6;  // list entries (k << kRowShift) | r
 
+// The most keys whose lists list_keys_heaviest_first ranks: a key for each kGroupThreads / 64
+// threads of a grouping block.
+constexpr int kMaxHeavyFirstKeys = 64;
+
+// A key and its list: rows[first .. first + n).
+struct KeyList {
+  int32_t key, first, n;
+};
+
+// The keys [0, num_keys) (at most kMaxHeavyFirstKeys) by the length of their lists, longest
+// first, equal lists in key order: table[r] is the key with the r-th longest list, with its
+// list. first_of(k), k <= num_keys: the first entry of key k's list (first_of(k + 1) - first_of(k)
+// entries). Each key's rank is counted by kGroupThreads / kMaxHeavyFirstKeys lanes of one warp,
+// a share of the keys each. All threads of a grouping block (kGroupThreads) call it, once
+// first_of's values are written and visible to the block.
+template <typename F>
+__device__ __forceinline__ void list_keys_heaviest_first(int num_keys, F first_of, KeyList* __restrict__ table) {
+  constexpr int kParts = kGroupThreads / kMaxHeavyFirstKeys;
+  static_assert(kParts <= 32 && (kParts & (kParts - 1)) == 0, "a key's lanes lie in one warp");
+  const int key = static_cast<int>(threadIdx.x) / kParts, part = static_cast<int>(threadIdx.x) % kParts;
+  const bool mine = key < num_keys;
+  const int32_t first = mine ? static_cast<int32_t>(first_of(key)) : 0;
+  const int32_t n = mine ? static_cast<int32_t>(first_of(key + 1)) - first : 0;
+  int rank = 0;  // the keys ahead of this one: longer lists, or equal ones of lower keys
+  if (mine) {
+    for (int j = part; j < num_keys; j += kParts) {
+      const int32_t nj = static_cast<int32_t>(first_of(j + 1) - first_of(j));
+      rank += nj > n || (nj == n && j < key);
+    }
+  }
+#pragma unroll
+  for (int d = kParts / 2; d > 0; d /= 2) rank += __shfl_xor_sync(0xffffffffu, rank, d);
+  if (mine && part == 0) table[rank] = KeyList{key, first, n};
+}
+
 // Bin row i as the grouping kernels list it: i, or (k << kRowShift) | r for i = k * row_div + r
 // where row_div > 0.
 template <typename index_t>
@@ -472,12 +507,13 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_unordered_kernel
 // list, and warp w then writes range w's items in order. No atomics, so no order that depends
 // on timing. The counts take ranges * num_keys ints of shared memory, or of `counts` (num_keys
 // ints of scratch) where even one range's do not fit (`in_shared` false: ranges is 1, one warp
-// walks all items). Launch with kGroupThreads threads, through group_by_owner.
+// walks all items). With heavy_first, the keys before the last by their lists' lengths, as
+// list_keys_heaviest_first writes them. Launch with kGroupThreads threads, through group_by_owner.
 template <typename index_t>
 __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
     const index_t* __restrict__ keys, index_t total, index_t num_keys, index_t* __restrict__ counts,
     index_t* __restrict__ offsets, index_t* __restrict__ rows, index_t row_div, int ranges,
-    bool in_shared) {
+    bool in_shared, KeyList* __restrict__ heavy_first) {
   let_dependents_start();  // a band kernel launched early stages its first band meanwhile
   extern __shared__ __align__(16) unsigned char group_smem[];
   index_t* const hist = in_shared ? reinterpret_cast<index_t*>(group_smem) : counts;  // [key][range]
@@ -526,6 +562,11 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
     offsets[key] = key < num_keys ? hist[static_cast<int64_t>(key) * ranges] : total;
   }
   __syncthreads();
+  if (heavy_first != nullptr) {
+    list_keys_heaviest_first(
+        static_cast<int>(num_keys) - 1, [&](int k) { return hist[static_cast<int64_t>(k) * ranges]; }, heavy_first);
+    __syncthreads();  // before the slots move on
+  }
   // 3. each range's items, in order, from its first slot of their key
   walk(end - begin <= 32 * kHeld, [&](index_t i, index_t key, unsigned peers) {
     if (key < 0) return;
@@ -543,13 +584,17 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_kernel(
 // keys much faster). counts: num_keys + 1 ints of scratch, used only when the counts do not fit
 // in shared memory.
 // spans, mark_ends (not in order only): as in group_by_owner_unordered_kernel.
+// heavy_first (in order only, num_keys - 1 <= kMaxHeavyFirstKeys): see group_by_owner_kernel.
 template <typename index_t>
 void group_by_owner(
     const index_t* keys, int64_t total, int64_t num_keys, index_t* counts, index_t* offsets,
     index_t* rows, int row_div, bool in_order, cudaStream_t stream, const uint8_t* spans = nullptr,
-    bool mark_ends = false) {
+    bool mark_ends = false, KeyList* heavy_first = nullptr) {
   TORCH_INTERNAL_ASSERT(!in_order || (spans == nullptr && !mark_ends), "group_by_owner: spans are grouped in no order");
   TORCH_INTERNAL_ASSERT(!mark_ends || sizeof(index_t) == 4, "group_by_owner: marks are bits 30 and 31 of int32 entries");
+  TORCH_INTERNAL_ASSERT(
+      heavy_first == nullptr || (in_order && num_keys >= 1 && num_keys - 1 <= kMaxHeavyFirstKeys),
+      "group_by_owner: keys heaviest first are ranked in order, up to kMaxHeavyFirstKeys");
   if (!in_order) {
     group_by_owner_unordered_kernel<index_t><<<1, kGroupThreads, 0, stream>>>(
         keys, static_cast<index_t>(total), static_cast<index_t>(num_keys), counts, offsets, rows,
@@ -563,7 +608,7 @@ void group_by_owner(
   const size_t smem = in_shared ? static_cast<size_t>(ranges * num_keys) * sizeof(index_t) : 0;
   group_by_owner_kernel<index_t><<<1, kGroupThreads, smem, stream>>>(
       keys, static_cast<index_t>(total), static_cast<index_t>(num_keys), counts, offsets, rows,
-      static_cast<index_t>(row_div), ranges, in_shared);
+      static_cast<index_t>(row_div), ranges, in_shared, heavy_first);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

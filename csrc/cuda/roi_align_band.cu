@@ -36,7 +36,8 @@
 // in the shared memory after the band, and where the grid holds two waves or more, the blocks
 // of the last group of channels share each key's list with a row of blocks added to the grid
 // (split_last_group), so that the blocks that start last end sooner; those two rows and the
-// one before them take their keys longest list first (heavy_first_key). float64 maps (and maps
+// one before them take their keys longest list first (the grouping ranks them:
+// plane_band::list_keys_heaviest_first). float64 maps (and maps
 // too wide for its bands) take roi_align_band_forward_kernel: two or four channels per pixel,
 // a bin the same sum, term for term, as in the tiled gather kernel.
 // Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
@@ -123,6 +124,9 @@ __device__ __forceinline__ void load_taps(const BandTap<acc_t>* __restrict__ src
     for (int q = 0; q < G; ++q) out[q] = src[q];
   }
 }
+
+using plane_band::KeyList;
+using plane_band::kMaxHeavyFirstKeys;
 
 constexpr int kNoCheck = -1;  // band_taps_kernel's check_op: no batch-index check
 
@@ -249,13 +253,14 @@ __global__ void band_taps_kernel(
 // of plane_band::group_by_owner_kernel, the same entries in the same places), from
 // band_taps_kernel's ranks: an exclusive scan of the chunks' counts in (key, chunk) order gives
 // each chunk its first slot in each key's list, and bin row (k, ph) (item k * per + ph of chunk
-// (k * per + ph) / kRankThreads) goes to that slot plus its rank. One block of kGroupThreads;
-// launched early after band_taps_kernel (it waits for its writes), and lets the band kernel
-// after it start.
+// (k * per + ph) / kRankThreads) goes to that slot plus its rank. With heavy_first, the keys
+// before the last (the discard key) by their lists' lengths (plane_band::list_keys_heaviest_first).
+// One block of kGroupThreads; launched early after band_taps_kernel (it waits for its writes),
+// and lets the band kernel after it start.
 __global__ void __launch_bounds__(plane_band::kGroupThreads) group_ranked_kernel(
     const int32_t* __restrict__ keys, const int32_t* __restrict__ ranks, const int32_t* __restrict__ chunk_counts,
     int32_t total, int pooled_height, int per, int num_keys, int chunks, int32_t* __restrict__ offsets,
-    int32_t* __restrict__ rows) {
+    int32_t* __restrict__ rows, KeyList* __restrict__ heavy_first) {
   plane_band::let_dependents_start();  // a band kernel launched early stages its first band meanwhile
   plane_band::wait_for_prior_grid();   // the keys, ranks and counts
   __shared__ int32_t first[kRankEntries];  // [key][chunk]: the chunk's first slot in the key's list
@@ -266,6 +271,10 @@ __global__ void __launch_bounds__(plane_band::kGroupThreads) group_ranked_kernel
   __syncthreads();
   for (int key = static_cast<int>(threadIdx.x); key <= num_keys; key += blockDim.x) {
     offsets[key] = key < num_keys ? first[static_cast<int64_t>(key) * chunks] : total;
+  }
+  if (heavy_first != nullptr) {
+    plane_band::list_keys_heaviest_first(
+        num_keys - 1, [&](int k) { return first[static_cast<int64_t>(k) * chunks]; }, heavy_first);
   }
   for (int32_t r = static_cast<int32_t>(threadIdx.x); r < total; r += static_cast<int32_t>(blockDim.x)) {
     const int32_t k = r / pooled_height, ph = r - k * pooled_height;
@@ -355,37 +364,6 @@ __device__ __forceinline__ BandBlock band_block(
 __device__ __forceinline__ BandBlock band_block(
     const int32_t* __restrict__ offsets, const BandShape& sh, const BandPlan& plan) {
   return band_block(offsets, sh, plan, blockIdx.x);
-}
-
-// The most keys (bands of all images) whose blocks a band forward can take heaviest first
-// (heavy_first_key).
-constexpr int kMaxHeavyFirstKeys = 64;
-
-// A key and its list: rows[first .. first + n) (offsets[key], offsets[key + 1] - offsets[key]).
-struct KeyList {
-  int32_t key, first, n;
-};
-
-// The key whose list is the x-th longest of the num_keys keys (at most kMaxHeavyFirstKeys; equal
-// lists in key order), and its list, from the lists' offsets: lane l holds keys l and l + 32
-// and counts the keys ahead of each. All 32 lanes of a warp call it with the same x.
-__device__ __forceinline__ KeyList heavy_first_key(const int32_t* __restrict__ offsets, int num_keys, int64_t x) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int32_t f0 = lane < num_keys ? offsets[lane] : 0, f1 = lane + 32 < num_keys ? offsets[lane + 32] : 0;
-  const int32_t n0 = lane < num_keys ? offsets[lane + 1] - f0 : -1;
-  const int32_t n1 = lane + 32 < num_keys ? offsets[lane + 33] - f1 : -1;
-  int r0 = 0, r1 = 0;
-  for (int j = 0; j < num_keys; ++j) {
-    const int32_t nj = __shfl_sync(0xffffffffu, j < 32 ? n0 : n1, j & 31);
-    r0 += nj > n0 || (nj == n0 && j < lane);
-    r1 += nj > n1 || (nj == n1 && j < lane + 32);
-  }
-  const unsigned m0 = __ballot_sync(0xffffffffu, lane < num_keys && r0 == x);
-  const unsigned m1 = __ballot_sync(0xffffffffu, lane + 32 < num_keys && r1 == x);
-  const int key = m0 != 0 ? __ffs(m0) - 1 : 31 + __ffs(m1);
-  const bool high = key >= 32;
-  return KeyList{key, __shfl_sync(0xffffffffu, high ? f1 : f0, key & 31),
-                 __shfl_sync(0xffffffffu, high ? n1 : n0, key & 31)};
 }
 
 // Whether this block of a band forward launched early stages its first channels' band before
@@ -627,26 +605,34 @@ constexpr int64_t kRotatedListBytes = 8192;
 // rounded inwards to 16 bytes, as the bulk prefetch needs; a hint only, on sm_90 and later.
 // The row of blocks a split adds (split_last_group) lies past the last group of channels, so
 // nothing is asked for it: its blocks stage the bands the last group's blocks staged before.
-// In rows from heavy_from on, the later block's key is heavy_first_key's, as in the kernel.
-// Called by the whole of the block's first warp.
+// In rows from heavy_from on, the later block's key is the one heavy_first ranks at its place
+// in the row, as in the kernel. Called by the block's first warp.
 template <typename T>
 __device__ __forceinline__ void prefetch_later_band(
     const T* __restrict__ input, const int32_t* __restrict__ offsets, const BandShape& sh,
-    const BandPlan& plan, int32_t discard, int ahead, int heavy_from) {
+    const BandPlan& plan, int32_t discard, int ahead, int heavy_from, const KeyList* __restrict__ heavy_first) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (ahead <= 0) return;
   const int64_t later = blockIdx.x + static_cast<int64_t>(blockIdx.y) * gridDim.x + ahead;
   int64_t key = later % gridDim.x;
   const int64_t group = later / gridDim.x;
   if (group >= gridDim.y || key >= discard) return;
-  int32_t n;
-  if (group >= heavy_from) {
-    const KeyList h = heavy_first_key(offsets, discard, key);  // the whole warp
-    key = h.key;
-    n = h.n;
-  } else {
-    n = offsets[key + 1] - offsets[key];
+  // the later block's key and list length, read by one lane and handed to the warp by a
+  // shuffle: read by every lane, the kernel's item loop compiled with a WARPSYNC.ALL before
+  // each item's swap shuffles and ran 2.4 µs (7x7) to 13.5 µs (14x14) slower (BENCHMARKS.md,
+  // "roi_align band forward: the keys ranked by the grouping, the prefetch's key read by one lane")
+  int32_t later_key = static_cast<int32_t>(key), n = 0;
+  if (threadIdx.x % 32 == 0) {
+    if (group >= heavy_from) {
+      const KeyList h = heavy_first[key];
+      later_key = h.key;
+      n = h.n;
+    } else {
+      n = offsets[key + 1] - offsets[key];
+    }
   }
+  key = __shfl_sync(0xffffffffu, later_key, 0);
+  n = __shfl_sync(0xffffffffu, n, 0);
   if (static_cast<int>(threadIdx.x) >= sh.channels_per_block || n == 0) return;
   const int64_t c = group * sh.channels_per_block + threadIdx.x;
   if (c >= sh.channels) return;
@@ -747,7 +733,7 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
     const scalar_t* __restrict__ input, const BandTap<float>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
     BandPlan plan, int32_t discard, scalar_t* __restrict__ output, int ahead, int list_cap, int heavy_from,
-    int early_blocks) {
+    const KeyList* __restrict__ heavy_first, int early_blocks) {
   static_assert(sizeof(scalar_t) == 4 || sizeof(scalar_t) == 2, "float32 or 16-bit maps");
   constexpr int kLane = 16 / static_cast<int>(sizeof(scalar_t));  // channels per lane: 16 bytes
   constexpr int kPixel = 2 * kLane;                                 // channels per staged pixel: 32 bytes
@@ -762,25 +748,15 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
   const bool second_half = static_cast<int>(blockIdx.y) == groups;
   // The block's key: its column, or in the rows from heavy_from on (the last to start, none of
   // them in the first wave), the key with the blockIdx.x-th longest list, so that the longest
-  // of them start first, and its list, which the first warp hands to the others through the
-  // three ints past the shared list (BENCHMARKS.md, "roi_align band forward: the last rows'
-  // keys heaviest first"). The discard key's column keeps its place.
+  // of them start first: heavy_first[blockIdx.x], with its list, as the grouping ranked them
+  // (BENCHMARKS.md, "roi_align band forward: the last rows' keys heaviest first"). The discard
+  // key's column keeps its place.
   int32_t key = static_cast<int32_t>(blockIdx.x);
   const bool heavy = static_cast<int>(blockIdx.y) >= heavy_from && key < discard;
   KeyList heavy_list{key, 0, 0};
   if (heavy) {
-    plane_band::wait_for_prior_grid();  // the lists' offsets
-    int32_t* const slot = reinterpret_cast<int32_t*>(smem + plan.smem_bytes) + list_cap;  // past the list
-    if (threadIdx.x < 32) {
-      const KeyList h = heavy_first_key(offsets, discard, key);
-      if (threadIdx.x == 0) {
-        slot[0] = h.key;
-        slot[1] = h.first;
-        slot[2] = h.n;
-      }
-    }
-    __syncthreads();
-    heavy_list = KeyList{slot[0], slot[1], slot[2]};
+    plane_band::wait_for_prior_grid();  // the ranked keys
+    heavy_list = heavy_first[key];
     key = heavy_list.key;
   }
   const BandBlock place_in_grid = band_place_at(sh, plan, key, min(static_cast<int>(blockIdx.y), groups - 1));
@@ -913,7 +889,7 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
       }
     }
     __syncthreads();
-    if (ci == 0 && threadIdx.x < 32) prefetch_later_band(input, offsets, sh, plan, discard, ahead, heavy_from);
+    if (ci == 0 && threadIdx.x < 32) prefetch_later_band(input, offsets, sh, plan, discard, ahead, heavy_from, heavy_first);
     // Lane pair (2i, 2i + 1) computes item i of the walk: a bin's kPixel channels. At sampling
     // ratio 2 the pair splits the bin's sample rows instead of its channels: lane h takes sample
     // row h with all kPixel channels, each of its sample's four loads reading the 16-byte half h
@@ -1283,12 +1259,16 @@ __global__ void band_tail_backward_kernel(
 struct BandSetup {
   BandPlan plan;
   BandShape shape;
-  // one allocation: the taps, then the index (keys, rows, offsets, counts: int32), then tall
+  // one allocation: the taps, then the index (keys, rows, offsets, counts: int32; the ranked
+  // grouping's ranks and chunk counts; the keys heaviest first), then tall
   at::Tensor scratch;
   int64_t taps_bytes = 0;
   int64_t rows_total = 0, num_keys = 0;
   int64_t listed_cap = 0;  // room for list entries: rows_total, or rows_total * bands with spans
   uint8_t* tall = nullptr;
+  // in order, with at most kMaxHeavyFirstKeys keys: the keys by their lists' lengths, longest
+  // first (plane_band::list_keys_heaviest_first)
+  KeyList* heavy_first = nullptr;
   dim3 grid;
   size_t smem = 0;
 
@@ -1460,8 +1440,10 @@ BandSetup setup_bands(
   const bool ranked = in_order && !spans && chunks == taps_blocks && grouped_keys <= kRankKeys &&
       chunks * grouped_keys <= kRankEntries && s.rows_total < (int64_t{1} << 31);
   const int64_t rank_ints = ranked ? s.rows_total + chunks * grouped_keys : 0;
+  const bool heavy_first = in_order && s.num_keys <= kMaxHeavyFirstKeys;
+  const int64_t heavy_ints = heavy_first ? s.num_keys * int64_t{sizeof(KeyList) / 4} : 0;
   // num_keys owners plus the discard key: offsets and counts hold num_keys + 2 entries
-  const int64_t index_ints = s.rows_total + s.listed_cap + 2 * (s.num_keys + 2) + rank_ints;
+  const int64_t index_ints = s.rows_total + s.listed_cap + 2 * (s.num_keys + 2) + rank_ints + heavy_ints;
   s.scratch = at::empty({s.taps_bytes + 4 * index_ints + s.rows_total}, rois.options().dtype(at::kByte));
   int32_t* keys = s.index();
   int32_t* rows = keys + s.rows_total;
@@ -1469,6 +1451,7 @@ BandSetup setup_bands(
   int32_t* counts = offsets + s.num_keys + 2;
   int32_t* ranks = ranked ? counts + s.num_keys + 2 : nullptr;
   int32_t* chunk_counts = ranked ? ranks + s.rows_total : nullptr;
+  s.heavy_first = heavy_first ? reinterpret_cast<KeyList*>(counts + s.num_keys + 2 + rank_ints) : nullptr;
   s.tall = reinterpret_cast<uint8_t*>(keys + index_ints);
   // launched early: its launch does not wait for the kernel before it to end, so it starts as
   // that kernel ends, 1-2 µs sooner back to back (BENCHMARKS.md, "roi_align band setup launched
@@ -1487,11 +1470,11 @@ BandSetup setup_bands(
         group_ranked_kernel, plane_band::early_launch_supported(), dim3(1), plane_band::kGroupThreads, 0, stream,
         keys, ranks, chunk_counts, static_cast<int32_t>(s.rows_total), static_cast<int>(pooled_height),
         static_cast<int>(pooled_height + pooled_width), static_cast<int>(grouped_keys), static_cast<int>(chunks),
-        offsets, rows);
+        offsets, rows, s.heavy_first);
   } else {
     plane_band::group_by_owner<int32_t>(
         keys, s.rows_total, grouped_keys, counts, offsets, rows, static_cast<int>(pooled_height), in_order, stream,
-        spans ? s.tall : nullptr);
+        spans ? s.tall : nullptr, /*mark_ends=*/false, s.heavy_first);
   }
   const int64_t per_block = channels_per_block(s.num_keys, channels, channel_step);
   s.shape = BandShape{channels, static_cast<int>(height), static_cast<int>(width),
@@ -1618,25 +1601,25 @@ bool roi_align_forward_band(
           const int64_t list_bytes = std::clamp<int64_t>(room, 0, kRotatedListBytes) / 16 * 16;
           const bool split = split_last_group(grid, per_sm * props->multiProcessorCount);
           if (split) grid.y += 1;
-          // the list's last three ints hold the key and list of a block that takes its key
-          // heaviest first
           const int list_ints = static_cast<int>(list_bytes / 4);
           const size_t smem = s.smem + static_cast<size_t>(list_bytes);
           const int64_t wave = blocks_per_sm(smem, kThreads) * props->multiProcessorCount;
           // Where the last group is split, its row, the split row and the row before them take
           // their keys heaviest first (the last blocks to start then are the lightest), as far
-          // as the keys are few enough and none of those rows is in the first wave, whose
-          // blocks stage their band before the lists exist. float32 14x14 3.6 µs faster, 7x7
-          // no faster; from more rows on, slower. With their lists handed over by the first
-          // warp and split 5/8 and 3/8, bfloat16 7x7 1.8 µs faster (BENCHMARKS.md, "roi_align
-          // band forward: the last rows' keys heaviest first").
+          // as the grouping ranked the keys (at most kMaxHeavyFirstKeys) and none of those rows
+          // is in the first wave, whose blocks stage their band before the lists exist. float32
+          // 14x14 3.6 µs faster, 7x7 no faster; from more rows on, slower. Split 5/8 and 3/8,
+          // bfloat16 7x7 1.8 µs faster (BENCHMARKS.md, "roi_align band forward: the last rows'
+          // keys heaviest first"); with the keys ranked once by the grouping rather than by each
+          // block, float32 7x7 about 1 µs faster ("roi_align band forward: the keys ranked by
+          // the grouping, the prefetch's key read by one lane").
           int heavy_from = static_cast<int>(grid.y);
-          if (split && list_ints >= 3 && s.num_keys <= kMaxHeavyFirstKeys) {
+          if (split && s.heavy_first != nullptr) {
             const int64_t from = static_cast<int64_t>(grid.y) - 3;
             if (from >= 1 && from * grid.x >= (early ? wave : 0)) heavy_from = static_cast<int>(from);
           }
-          launch(roi_align_band_forward_rotated_kernel<scalar_t, G, kThreads>, kThreads, smem, ahead,
-                 std::max(list_ints - 3, 0), heavy_from);
+          launch(roi_align_band_forward_rotated_kernel<scalar_t, G, kThreads>, kThreads, smem, ahead, list_ints,
+                 heavy_from, static_cast<const KeyList*>(s.heavy_first));
           return;
         }
       }
