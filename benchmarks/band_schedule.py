@@ -81,7 +81,7 @@ def grid_blocks(column, groups, split=True, heavy_rows=0, first=0.5):
     below `first` of each (the kernel's 5/8 since the heavy-first order, 1/2 before) and the
     rest in a row of their own; the last heavy_rows rows (the split row included) with their
     keys longest list first, equal lists in key order, the discard key's column in its place
-    (heavy_first_key in roi_align_band.cu)."""
+    (plane_band::list_keys_heaviest_first, in the grouping kernels)."""
     keys = len(column) - 1
     heavy = sorted(range(keys), key=lambda k: (-column[k], k)) + [keys]
     firsts = [int(n * first) // 4 * 4 for n in column]
