@@ -619,7 +619,7 @@ __device__ __forceinline__ void prefetch_later_band(
   if (group >= gridDim.y || key >= discard) return;
   // the later block's key and list length, read by one lane and handed to the warp by a
   // shuffle: read by every lane, the kernel's item loop compiled with a WARPSYNC.ALL before
-  // each item's swap shuffles and ran 2.4 µs (7x7) to 13.5 µs (14x14) slower (BENCHMARKS.md,
+  // each item's swap shuffles and ran 2.1-2.5 µs (7x7) and 13.0-13.5 µs (14x14) slower (BENCHMARKS.md,
   // "roi_align band forward: the keys ranked by the grouping, the prefetch's key read by one lane")
   int32_t later_key = static_cast<int32_t>(key), n = 0;
   if (threadIdx.x % 32 == 0) {
