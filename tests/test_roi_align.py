@@ -1213,6 +1213,31 @@ def test_cuda_band_forward_last_rows_heaviest_first(tmp_path, dtype, num_rois, g
 
 
 @pytest.mark.cuda
+def test_cuda_band_forward_ranked_lists_in_and_past_shared_memory(tmp_path):
+    # The ranked grouping places the bin rows in shared memory and copies its lists out where
+    # they fit in 64 KiB (16384 bin rows), and scatters them to global memory otherwise. Lists
+    # hold their bin rows in order, so the first 1100 of 1200 RoIs take the same places in their
+    # lists with 1100 RoIs (15400 bin rows at 14x14: placed in shared memory) as with 1200
+    # (16800: scattered); the conflict-free forward's sums follow those places, so the bits are
+    # the same, and the values are the gather kernels'.
+    from detops.ops._utils import roi_kernel
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 8, 200, 304, generator=g).cuda()
+    rois = dense_rois(2, 1200, 200, 304, 1, 60, 0.25, seed=6).float().cuda()
+    with roi_kernel("band"):
+        out, events = _kernel_events(lambda: roi_align(x, rois, (14, 14), 0.25, 2, True), tmp_path)
+        part, part_events = _kernel_events(
+            lambda: roi_align(x, rois[:1100].contiguous(), (14, 14), 0.25, 2, True), tmp_path, "part"
+        )
+    for evs in (events, part_events):
+        names = " ".join(e.get("name", "") for e in evs)
+        assert "group_ranked_kernel" in names and "band_forward_rotated" in names, names
+    assert torch.equal(out[:1100], part)
+    _assert_close_to_gather(out, x, rois, pooled=(14, 14))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("size, bands", [(7, 13), (14, 11)])
 def test_cuda_band_last_band_holds_the_rows_past_its_core(tmp_path, size, bands):
     # On a 200-row map the float32 plan stages bands of 23 rows: 8 of them overlap at 7x7 (band

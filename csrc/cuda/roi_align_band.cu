@@ -141,10 +141,12 @@ constexpr int kRankKeys = 512;
 constexpr int kRankEntries = 4096;
 
 // Within this block's chunk of items (one a thread, index order = thread order), the rank of
-// this thread's bin row (key >= 0; -1: no bin row) among the chunk's bin rows of its key, to
-// ranks[row], and the chunk's count of each key, to chunk_counts[blockIdx.x * num_keys + key]:
-// the lanes of one key found by one ballot per key bit, each key's count per warp, then the
-// warps' exclusive prefixes per key. All threads of the block call it.
+// this thread's bin row (key >= 0; -1: no bin row) among the chunk's bin rows of its key, and
+// the chunk's count of each key, to chunk_counts[blockIdx.x * num_keys + key]: the lanes of one
+// key found by one ballot per key bit, each key's count per warp, then the warps' exclusive
+// prefixes per key. ranks[row] holds the bin row's (key, chunk) slot, key * gridDim.x +
+// blockIdx.x (below kRankEntries), above its rank (below kRankThreads, 8 bits), so that the
+// grouping places it with one load. All threads of the block call it.
 __device__ __forceinline__ void rank_in_chunk(
     int32_t key, int64_t row, int num_keys, int32_t* __restrict__ ranks, int32_t* __restrict__ chunk_counts) {
   __shared__ int32_t counts[kRankKeys * kRankWarps];  // [key][warp]
@@ -167,7 +169,11 @@ __device__ __forceinline__ void rank_in_chunk(
     chunk_counts[static_cast<int64_t>(blockIdx.x) * num_keys + k] = run;
   }
   __syncthreads();
-  if (key >= 0) ranks[row] = counts[key * kRankWarps + warp] + __popc(before);
+  static_assert(kRankThreads <= 256 && kRankEntries <= (1 << 23), "a slot and a rank in one int32");
+  if (key >= 0) {
+    const int32_t slot = key * static_cast<int32_t>(gridDim.x) + static_cast<int32_t>(blockIdx.x);
+    ranks[row] = (slot << 8) | (counts[key * kRankWarps + warp] + __popc(before));
+  }
 }
 
 // Taps of RoI k (rois: [K, 5] of roi_t, read in acc_t): PH * G row taps, then PW * G column
@@ -252,35 +258,105 @@ __global__ void band_taps_kernel(
 // Owner `key`'s bin rows to rows[offsets[key] .. offsets[key + 1]), in bin-row order (the lists
 // of plane_band::group_by_owner_kernel, the same entries in the same places), from
 // band_taps_kernel's ranks: an exclusive scan of the chunks' counts in (key, chunk) order gives
-// each chunk its first slot in each key's list, and bin row (k, ph) (item k * per + ph of chunk
-// (k * per + ph) / kRankThreads) goes to that slot plus its rank. With heavy_first, the keys
+// each chunk its first entry in each key's list, and bin row (k, ph) goes to the entry of its
+// (key, chunk) slot plus its rank (both in ranks[k * pooled_height + ph]). With heavy_first, the keys
 // before the last (the discard key) by their lists' lengths (plane_band::list_keys_heaviest_first).
 // One block of kGroupThreads; launched early after band_taps_kernel (it waits for its writes),
 // and lets the band kernel after it start.
+//
+// The band kernel's first wave waits for these lists, so the block keeps its chain of L2 round
+// trips short: each thread loads its kRankEntries / kGroupThreads consecutive counts and its
+// first kGroupHeld bin rows' ranks at once, scans the counts in one pass (its own sum, then the
+// block's sums by shuffles), and places those bin rows from registers, walking (k, ph) without
+// a division. Where the lists fit in kGroupListBytes (in_shared: launched with total ints of
+// dynamic shared memory), the bin rows are placed in shared memory and the lists copied out in
+// order, so that the block's stores are whole lines rather than one scattered store per bin
+// row (BENCHMARKS.md, "roi_align band forward: the lists in fewer round trips").
+constexpr int kGroupHeld = 16;
+constexpr int64_t kGroupListBytes = 64 * 1024;
+
 __global__ void __launch_bounds__(plane_band::kGroupThreads) group_ranked_kernel(
-    const int32_t* __restrict__ keys, const int32_t* __restrict__ ranks, const int32_t* __restrict__ chunk_counts,
-    int32_t total, int pooled_height, int per, int num_keys, int chunks, int32_t* __restrict__ offsets,
-    int32_t* __restrict__ rows, KeyList* __restrict__ heavy_first) {
+    const int32_t* __restrict__ ranks, const int32_t* __restrict__ chunk_counts, int32_t total, int pooled_height,
+    int num_keys, int chunks, int32_t* __restrict__ offsets, int32_t* __restrict__ rows,
+    KeyList* __restrict__ heavy_first, bool in_shared) {
+  constexpr int kThreads = plane_band::kGroupThreads;
+  constexpr int kPer = kRankEntries / kThreads;  // counts a thread scans
+  static_assert(kRankEntries % kThreads == 0 && kThreads / 32 <= 32, "one pass of the scan, one warp of sums");
   plane_band::let_dependents_start();  // a band kernel launched early stages its first band meanwhile
-  plane_band::wait_for_prior_grid();   // the keys, ranks and counts
+  plane_band::wait_for_prior_grid();   // the ranks and counts
   __shared__ int32_t first[kRankEntries];  // [key][chunk]: the chunk's first slot in the key's list
-  const int64_t m = static_cast<int64_t>(num_keys) * chunks;
-  plane_band::block_exclusive_scan<int32_t>(
-      m, [&](int64_t e) { return chunk_counts[(e % chunks) * num_keys + e / chunks]; },
-      [&](int64_t e, int32_t o) { first[e] = o; });
+  __shared__ int32_t warp_sums[kThreads / 32];
+  extern __shared__ int32_t shared_rows[];  // in_shared: the lists
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  // bin rows base + u * kThreads + tid, u < kGroupHeld: their slots and ranks
+  int32_t held[kGroupHeld];
+  auto hold = [&](int32_t base) {
+#pragma unroll
+    for (int u = 0; u < kGroupHeld; ++u) {
+      const int32_t r = base + u * kThreads + tid;
+      held[u] = r < total ? ranks[r] : 0;
+    }
+  };
+  hold(0);
+  // counts e = tid * kPer + u in (key, chunk) order
+  const int m = num_keys * chunks;  // at most kRankEntries (the host's check)
+  int32_t count[kPer], sum = 0;
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int e = tid * kPer + u;
+    count[u] = e < m ? chunk_counts[(e % chunks) * num_keys + e / chunks] : 0;
+    sum += count[u];
+  }
+  int32_t incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int32_t v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
   __syncthreads();
-  for (int key = static_cast<int>(threadIdx.x); key <= num_keys; key += blockDim.x) {
-    offsets[key] = key < num_keys ? first[static_cast<int64_t>(key) * chunks] : total;
+  if (warp == 0) {
+    int32_t w = lane < kThreads / 32 ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t v = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += v;
+    }
+    if (lane < kThreads / 32) warp_sums[lane] = w;
+  }
+  __syncthreads();
+  int32_t run = (warp > 0 ? warp_sums[warp - 1] : 0) + incl - sum;
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int e = tid * kPer + u;
+    if (e < m) first[e] = run;
+    run += count[u];
+  }
+  __syncthreads();
+  for (int key = tid; key <= num_keys; key += kThreads) {
+    offsets[key] = key < num_keys ? first[key * chunks] : total;
   }
   if (heavy_first != nullptr) {
-    plane_band::list_keys_heaviest_first(
-        num_keys - 1, [&](int k) { return first[static_cast<int64_t>(k) * chunks]; }, heavy_first);
+    plane_band::list_keys_heaviest_first(num_keys - 1, [&](int k) { return first[k * chunks]; }, heavy_first);
   }
-  for (int32_t r = static_cast<int32_t>(threadIdx.x); r < total; r += static_cast<int32_t>(blockDim.x)) {
-    const int32_t k = r / pooled_height, ph = r - k * pooled_height;
-    const int chunk = static_cast<int>((static_cast<int64_t>(k) * per + ph) / kRankThreads);
-    rows[first[static_cast<int64_t>(keys[r]) * chunks + chunk] + ranks[r]] = (k << plane_band::kRowShift) | ph;
+  auto place = [&](int32_t* __restrict__ out) {
+    ListWalk w(pooled_height, tid, kThreads);  // bin row r = w.e * pooled_height + w.pw
+    for (int32_t base = 0; base < total; base += kGroupHeld * kThreads) {
+      if (base > 0) hold(base);
+#pragma unroll
+      for (int u = 0; u < kGroupHeld; ++u, w.next(pooled_height)) {
+        if (base + u * kThreads + tid >= total) break;
+        out[first[held[u] >> 8] + (held[u] & 0xff)] = (w.e << plane_band::kRowShift) | w.pw;
+      }
+    }
+  };
+  if (!in_shared) {
+    place(rows);
+    return;
   }
+  place(shared_rows);
+  __syncthreads();
+  for (int32_t i = tid; i < total; i += kThreads) rows[i] = shared_rows[i];
 }
 
 struct BandShape {
@@ -1466,11 +1542,15 @@ BandSetup setup_bands(
   if (ranked) {
     // launched early: the block is resident when the taps end, and the band kernel launched
     // early after it starts staging while the taps and the lists are made
+    const int64_t static_bytes = 4 * (kRankEntries + plane_band::kGroupWarps);  // first, warp_sums
+    const bool in_shared = s.rows_total * 4 <= plane_band::band_budget(kGroupListBytes, static_bytes);
+    const int64_t list_smem = in_shared ? s.rows_total * 4 : 0;
+    plane_band::allow_smem(group_ranked_kernel, list_smem);
     plane_band::launch_early(
-        group_ranked_kernel, plane_band::early_launch_supported(), dim3(1), plane_band::kGroupThreads, 0, stream,
-        keys, ranks, chunk_counts, static_cast<int32_t>(s.rows_total), static_cast<int>(pooled_height),
-        static_cast<int>(pooled_height + pooled_width), static_cast<int>(grouped_keys), static_cast<int>(chunks),
-        offsets, rows, s.heavy_first);
+        group_ranked_kernel, plane_band::early_launch_supported(), dim3(1), plane_band::kGroupThreads,
+        static_cast<size_t>(list_smem), stream, ranks, chunk_counts, static_cast<int32_t>(s.rows_total),
+        static_cast<int>(pooled_height), static_cast<int>(grouped_keys), static_cast<int>(chunks), offsets, rows,
+        s.heavy_first, in_shared);
   } else {
     plane_band::group_by_owner<int32_t>(
         keys, s.rows_total, grouped_keys, counts, offsets, rows, static_cast<int>(pooled_height), in_order, stream,
