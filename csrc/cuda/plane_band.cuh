@@ -369,6 +369,17 @@ __device__ __forceinline__ index_t listed_row(index_t i, index_t row_div) {
   return row_div > 0 ? ((i / row_div) << kRowShift) | (i % row_div) : i;
 }
 
+// The inclusive prefix sum of v over lanes 0 .. lane of the warp, by shuffles. All lanes call it.
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const T u = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
+
 // An exclusive scan of load(0 .. m) by the whole block (kGroupThreads threads): store(i, the sum
 // of load(0 .. i - 1)) for each i < m, a pass of blockDim values at a time (shuffles within a
 // warp, then across the warps' sums). Each thread loads and stores only its own i of a pass.
@@ -382,23 +393,10 @@ __device__ __forceinline__ void block_exclusive_scan(int64_t m, Load load, Store
   for (int64_t base = 0; base < m; base += blockDim.x) {
     const int64_t i = base + threadIdx.x;
     const index_t v = i < m ? load(i) : index_t(0);
-    index_t incl = v;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const index_t u = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += u;
-    }
+    const index_t incl = warp_inclusive_scan(v, lane);
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
-    if (warp == 0) {
-      index_t w = warp_sums[lane];
-#pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
-        const index_t u = __shfl_up_sync(0xffffffffu, w, d);
-        if (lane >= d) w += u;
-      }
-      warp_sums[lane] = w;
-    }
+    if (warp == 0) warp_sums[lane] = warp_inclusive_scan(warp_sums[lane], lane);
     __syncthreads();
     if (i < m) store(i, carry + (warp > 0 ? warp_sums[warp - 1] : index_t(0)) + incl - v);
     __syncthreads();

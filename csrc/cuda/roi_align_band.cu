@@ -307,21 +307,11 @@ __global__ void __launch_bounds__(plane_band::kGroupThreads) group_ranked_kernel
     count[u] = e < m ? chunk_counts[(e % chunks) * num_keys + e / chunks] : 0;
     sum += count[u];
   }
-  int32_t incl = sum;
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int32_t v = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += v;
-  }
+  const int32_t incl = plane_band::warp_inclusive_scan(sum, lane);
   if (lane == 31) warp_sums[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    int32_t w = lane < kThreads / 32 ? warp_sums[lane] : 0;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int32_t v = __shfl_up_sync(0xffffffffu, w, d);
-      if (lane >= d) w += v;
-    }
+    const int32_t w = plane_band::warp_inclusive_scan(lane < kThreads / 32 ? warp_sums[lane] : 0, lane);
     if (lane < kThreads / 32) warp_sums[lane] = w;
   }
   __syncthreads();
