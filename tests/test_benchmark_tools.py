@@ -1,8 +1,11 @@
-"""The benchmark tools that patch or compile sources outside the library still match them."""
+"""The benchmark tools: patches and sources outside the library still match it, and the CPU
+scaling tool's per-core mode pins and restores."""
+import os
 import pathlib
 import re
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -85,3 +88,41 @@ def test_band_schedule_model():
     assert band_schedule.grid_blocks(column, 3, heavy_rows=3) == [9, 20, 9, 0, 20, 9, 9, 0, 8, 4, 4, 0, 12, 5, 5, 0]
     assert band_schedule.grid_blocks(column, 3, heavy_rows=3, first=5 / 8) == [
         9, 20, 9, 0, 20, 9, 9, 0, 12, 4, 4, 0, 8, 5, 5, 0]
+
+
+needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
+
+
+@needs_affinity
+def test_cpu_scaling_cores_times_each_core_and_restores_affinity(monkeypatch, capsys):
+    from benchmarks import cpu_scaling
+
+    seen = []
+    monkeypatch.setattr(
+        cpu_scaling, "selected_cases", lambda names: [("probe", lambda: seen.append(os.sched_getaffinity(0)), 3)]
+    )
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    cpu_scaling.time_cores("t", None, 2)
+    assert os.sched_getaffinity(0) == cores
+    assert torch.get_num_threads() == threads
+    # every call runs pinned to one core, and each pass visits every core
+    assert all(len(s) == 1 for s in seen)
+    assert sorted({next(iter(s)) for s in seen}) == sorted(cores)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("t probe pass")]
+    assert len(lines) == 2
+    assert all(len(re.findall(r" \d+:\d+\.\d\d", line)) == len(cores) for line in lines)
+
+
+@needs_affinity
+def test_cpu_scaling_cores_restores_affinity_when_a_case_fails(monkeypatch):
+    from benchmarks import cpu_scaling
+
+    def fail():
+        raise RuntimeError("case failed")
+
+    monkeypatch.setattr(cpu_scaling, "selected_cases", lambda names: [("fail", fail, 3)])
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="case failed"):
+        cpu_scaling.time_cores("t", None, 1)
+    assert os.sched_getaffinity(0) == cores
+    assert torch.get_num_threads() == threads
