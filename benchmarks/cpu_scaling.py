@@ -5,6 +5,8 @@
     python -m benchmarks.cpu_scaling --ratio 16 --cases fwd --rounds 10  # 1 vs 16, interleaved
     python -m benchmarks.cpu_scaling --processes 1,8,16          # N one-thread processes at once
     python -m benchmarks.cpu_scaling --cores 3 --cases fwd,ref   # one thread on each core in turn
+    python -m benchmarks.cpu_scaling --pairs --seconds 0.25      # which cores slow each other
+    python -m benchmarks.cpu_scaling --versus 16 --seconds 0.3   # threads against processes
 
 The first form times detops' CPU roi_align / roi_pool on the small map of `bench_roi`
 (2x64x100x152, 256 RoIs) and on the CUDA cases' map (2x256x200x304, 1024 RoIs), 7x7 bins,
@@ -22,6 +24,13 @@ prints their throughput against one process: the scaling a machine gives work th
 nothing but its caches, memory and power, which bounds what a threaded call can reach there.
 The --cores form pins one thread to each core in turn and prints each core's one-thread median:
 whether the one-thread baseline depends on the core the thread runs on or on when it runs.
+The --pairs form runs one pinned one-thread process per core and times every pair of cores
+together against each alone (the first of --cases, default fwd): vCPUs that are two hardware
+threads of one physical core slow each other down, and the guest's CPU listing may not show
+which they are. The --versus form alternates, in rounds of three adjacent windows, N pinned
+one-thread processes, the threaded call at N threads and the call at one thread, for each of
+--cases (default fwd,ref): the threaded call's throughput over the processes', measured a
+second apart, is how much of what the machine gives independent work the call gets.
 """
 from __future__ import annotations
 
@@ -39,6 +48,9 @@ import detops
 from benchmarks.bench_roi import _inputs, fwd_bwd
 from benchmarks.timing import median_ms
 
+# The worker processes run `python -c` here, where `benchmarks` imports.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def cases() -> List[Tuple[str, Callable[[], object], int]]:
     """(name, call, runs) for each timed case."""
@@ -49,15 +61,18 @@ def cases() -> List[Tuple[str, Callable[[], object], int]]:
     big_grad = torch.randn(1024, 256, 7, 7)
     ref_in, ref_out = torch.rand(1 << 19) + 3, torch.empty(1 << 19)
     align = lambda a, r: detops.ops.roi_align(a, r, 7, 0.25, 2, True)  # noqa: E731
+    pool = lambda a, r: detops.ops.roi_pool(a, r, 7, 0.25)  # noqa: E731
     backward = torch.ops.detops._roi_align_backward
     return [
         ("fwd", lambda: align(x, rois), 20),
         ("bwd", lambda: backward(grad, rois, 0.25, 7, 7, 2, 64, 100, 152, 2, True), 20),
         ("fwd+bwd", lambda: fwd_bwd(align, x, rois, grad), 20),
         ("fwd_cl", lambda: align(xcl, rois), 20),
+        ("pool_fwd", lambda: pool(x, rois), 20),
+        ("pool_fwd+bwd", lambda: fwd_bwd(pool, x, rois, grad), 20),
         ("large_fwd", lambda: align(big_x, big_rois), 5),
         ("large_bwd", lambda: backward(big_grad, big_rois, 0.25, 7, 7, 2, 256, 200, 304, 2, True), 5),
-        ("large_pool_fwd", lambda: detops.ops.roi_pool(big_x, big_rois, 7, 0.25), 5),
+        ("large_pool_fwd", lambda: pool(big_x, big_rois), 5),
         # torch's own kernel: equal chunks of computation (16 of torch's 32 K-element grains),
         # 2 MB in and 2 MB out, no shared writes, about as long on one thread as "fwd": the
         # scaling the machine gives a threaded call of that length
@@ -162,7 +177,7 @@ def processes(op: str, counts: List[int], seconds: float) -> None:
     for n in counts:
         start = time.time() + 10 + 1.0 * n  # every process has loaded and warmed up by then
         procs = [
-            subprocess.Popen([sys.executable, "-c", _WORKER, op, str(start), str(seconds)], stdout=subprocess.PIPE, text=True)
+            subprocess.Popen([sys.executable, "-c", _WORKER, op, str(start), str(seconds)], stdout=subprocess.PIPE, text=True, cwd=_ROOT)
             for _ in range(n)
         ]
         per_call = [float(p.communicate()[0].split()[-1]) for p in procs]
@@ -181,6 +196,180 @@ def processes(op: str, counts: List[int], seconds: float) -> None:
         )
 
 
+# A worker pinned to core sys.argv[1], running cpu_scaling's cases on one thread: for each line
+# "CASE START SECONDS" on stdin it times that case from START (time.time()) for SECONDS, at
+# least three calls, and prints the median per call in ms.
+_CASE_WORKER = r"""
+import os, sys, time, statistics, torch
+os.sched_setaffinity(0, {int(sys.argv[1])})
+torch.set_num_threads(1)
+from benchmarks.cpu_scaling import cases
+fns = {name: fn for name, fn, _ in cases()}
+print("ready", *sorted(os.sched_getaffinity(0)), flush=True)
+for line in sys.stdin:
+    name, start, seconds = line.split()
+    fn, start, seconds = fns[name], float(start), float(seconds)
+    while time.time() < start - 0.002:
+        time.sleep(0.001)
+    while time.time() < start:
+        pass
+    times = []
+    while time.time() < start + seconds or len(times) < 3:
+        t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
+    print(statistics.median(times) * 1e3, flush=True)
+"""
+
+
+def pair_slowdowns(alone_i: float, alone_j: float, together_i: float, together_j: float) -> Tuple[float, float, float]:
+    """Each core's time beside the other over its time alone, and their geometric mean."""
+    fi, fj = together_i / alone_i, together_j / alone_j
+    return fi, fj, (fi * fj) ** 0.5
+
+
+def mutual_partners(score: dict, cores: List[int]) -> List[Tuple[int, int]]:
+    """Pairs (i, j), i < j, each the other's most slowing partner by score[(min, max)]."""
+    def best(c: int) -> int:
+        return max((d for d in cores if d != c), key=lambda d: score[min(c, d), max(c, d)])
+
+    return [(i, j) for i in cores for j in cores if i < j and best(i) == j and best(j) == i]
+
+
+class PinnedWorkers:
+    """One one-thread worker process pinned to each of `cores`, holding cases()' inputs of its
+    own, each idle (blocked on its stdin) until run() gives it a case and a window."""
+
+    def __init__(self, cores: List[int]) -> None:
+        self.workers = {}
+        try:
+            for c in cores:
+                self.workers[c] = subprocess.Popen(
+                    [sys.executable, "-c", _CASE_WORKER, str(c)], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, text=True, cwd=_ROOT)
+            for c, w in self.workers.items():
+                if w.stdout.readline().split() != ["ready", str(c)]:
+                    raise SystemExit(f"cpu_scaling: the worker on core {c} did not start pinned to it")
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, case: str, group: List[int], seconds: float) -> dict:
+        """The median per call of case, in ms, on each core of group, all in one window."""
+        start = time.time() + 0.05
+        for c in group:
+            self.workers[c].stdin.write(f"{case} {start} {seconds}\n")
+            self.workers[c].stdin.flush()
+        return {c: float(self.workers[c].stdout.readline()) for c in group}
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.stdin.close()
+        for w in self.workers.values():
+            w.wait()
+
+    def __enter__(self) -> "PinnedWorkers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def pairs(case: str, seconds: float) -> None:
+    """Every pair of cores: each core's one-thread time beside the other against alone.
+
+    Two vCPUs that are the two hardware threads of one physical core slow each other down when
+    both run (they share its execution units and caches); two that are separate cores barely
+    do. The guest's /proc/cpuinfo may not say which vCPUs share a core, so this measures it:
+    one worker process pinned to each core, then for every pair the two together and each
+    alone, `seconds` each, adjacent in time. Each core's times alone are summarized too: a core
+    whose speed moves with something outside the guest shows it there."""
+    import itertools
+
+    cores = sorted(os.sched_getaffinity(0))
+    with PinnedWorkers(cores) as workers:
+        score, alone = {}, {c: [] for c in cores}
+        for i, j in itertools.combinations(cores, 2):
+            both = workers.run(case, [i, j], seconds)
+            alone_i, alone_j = workers.run(case, [i], seconds), workers.run(case, [j], seconds)
+            fi, fj, g = pair_slowdowns(alone_i[i], alone_j[j], both[i], both[j])
+            score[i, j] = g
+            alone[i].append(alone_i[i])
+            alone[j].append(alone_j[j])
+            print(f"{case} cores {i} and {j}: alone {alone_i[i]:.2f} / {alone_j[j]:.2f} ms, together "
+                  f"{both[i]:.2f} / {both[j]:.2f} ms, slowdown x{fi:.2f} / x{fj:.2f}", flush=True)
+        for c in cores:
+            others = sorted((score[min(c, d), max(c, d)], d) for d in cores if d != c)
+            rest = [v for v, _ in others[:-1]]
+            print(f"{case} core {c}: most slowed beside core {others[-1][1]} (x{others[-1][0]:.2f}), "
+                  f"median beside the others x{statistics.median(rest) if rest else float('nan'):.2f}; "
+                  f"alone {min(alone[c]):.2f}-{max(alone[c]):.2f} ms, median {statistics.median(alone[c]):.2f}", flush=True)
+        mutual = mutual_partners(score, cores)
+        print(f"{case} mutual most-slowing pairs: " + (" ".join(f"{i}+{j}:x{score[i, j]:.2f}" for i, j in mutual) or "none"), flush=True)
+
+
+def window_ms(fn: Callable[[], object], seconds: float) -> float:
+    """The median per call, in ms, of fn run back to back for `seconds` (at least 3 calls)."""
+    times: List[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def versus_round(one: float, threaded: float, processes: List[float]) -> Tuple[float, float, float, float]:
+    """From one round's medians (ms per call: one thread, the threaded call, each process):
+    the processes as one call split over them (ms), the threaded call's scaling over one
+    thread, the processes' summed throughput over one thread, and the threaded call's
+    throughput over the processes'."""
+    rate = sum(1.0 / v for v in processes)
+    return 1.0 / rate, one / threaded, one * rate, 1.0 / (threaded * rate)
+
+
+def versus(names: Optional[List[str]], n: int, rounds: int, seconds: float) -> None:
+    """Per case, rounds of three windows of `seconds`, adjacent in time, in turn first: n
+    pinned one-thread processes at once, each with inputs of its own; the call at n threads;
+    the call at one thread. A round's ratios come from windows a second apart, so the
+    machine's drift (a core's speed moves by up to 2x within seconds on some machines) touches
+    all three alike: the threaded call's throughput over the processes' is how much of what
+    the machine gives independent work the call gets."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not 1 < n <= len(cores):
+        raise SystemExit(f"cpu_scaling: --versus needs 2 to {len(cores)} threads here, got {n}")
+    timed = selected_cases(names)
+    threads = torch.get_num_threads()
+    try:
+        with PinnedWorkers(cores[:n]) as workers:
+            for name, fn, _ in timed:
+                for t in (n, 1):
+                    torch.set_num_threads(t)
+                    window_ms(fn, 0.2)
+                rows = []
+                for r in range(rounds):
+                    got = {}
+                    for phase in [("processes", "threaded", "one")[(r + i) % 3] for i in range(3)]:
+                        if phase == "processes":
+                            got[phase] = list(workers.run(name, cores[:n], seconds).values())
+                        else:
+                            torch.set_num_threads(n if phase == "threaded" else 1)
+                            got[phase] = window_ms(fn, seconds)
+                        time.sleep(0.05)  # the threaded call's idle threads stop spinning
+                    split, scaling, procs, share = versus_round(got["one"], got["threaded"], got["processes"])
+                    rows.append((scaling, procs, share))
+                    print(f"{name} round {r + 1}: 1 thread {got['one']:.3f} ms, {n} threads {got['threaded']:.3f} ms, "
+                          f"{n} processes as one call split over them {split:.3f} ms; threads {scaling:.2f}x, "
+                          f"processes {procs:.2f}x one thread; threads get {share:.2f} of the processes' throughput",
+                          flush=True)
+                med = [statistics.median(v) for v in zip(*rows)]
+                lo, hi = [min(v) for v in zip(*rows)], [max(v) for v in zip(*rows)]
+                print(f"{name}: {n} threads {med[0]:.2f}x one thread ({lo[0]:.2f}-{hi[0]:.2f}), {n} processes "
+                      f"{med[1]:.2f}x ({lo[1]:.2f}-{hi[1]:.2f}); the threaded call gets {med[2]:.2f} of the "
+                      f"processes' throughput ({lo[2]:.2f}-{hi[2]:.2f}); medians over {rounds} rounds; "
+                      f"0.7 N = {0.7 * n:.1f}x", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="1,16", help="thread counts to time the cases at")
@@ -188,15 +377,21 @@ if __name__ == "__main__":
     p.add_argument("--cases", help="comma-separated case names (default: all), e.g. fwd,bwd")
     p.add_argument("--runs", type=int, help="calls per case at more than one thread (default: the case's own)")
     p.add_argument("--ratio", type=int, help="N: alternate 1 and N threads in rounds, printing the ratios")
-    p.add_argument("--rounds", type=int, default=10, help="rounds of --ratio")
+    p.add_argument("--rounds", type=int, default=10, help="rounds of --ratio and --versus")
     p.add_argument("--cores", type=int, metavar="PASSES", help="time one thread pinned to each core in turn, PASSES times")
     p.add_argument("--processes", help="process counts, e.g. 1,8,16 (the first is the baseline)")
-    p.add_argument("--op", choices=["roi_align", "sin", "digamma"], default="roi_align")
-    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--pairs", action="store_true", help="every pair of cores: each one's time beside the other against alone")
+    p.add_argument("--versus", type=int, metavar="N", help="rounds of N processes, N threads and one thread, adjacent")
+    p.add_argument("--op", choices=["roi_align", "sin", "digamma"], default="roi_align", help="what --processes runs")
+    p.add_argument("--seconds", type=float, default=4.0, help="window of --processes, --pairs and --versus")
     a = p.parse_args()
     names = a.cases.split(",") if a.cases else None
     if a.cores:
         time_cores(a.tag, names, a.cores)
+    elif a.versus:
+        versus(names or ["fwd", "ref"], a.versus, a.rounds, a.seconds)
+    elif a.pairs:
+        pairs(names[0] if names else "fwd", a.seconds)
     elif a.processes:
         processes(a.op, [int(v) for v in a.processes.split(",")], a.seconds)
     elif a.ratio:

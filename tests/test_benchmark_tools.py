@@ -1,5 +1,5 @@
-"""The benchmark tools: patches and sources outside the library still match it, and the CPU
-scaling tool's per-core mode pins and restores."""
+"""The benchmark tools: patches and sources outside the library still match it, the CPU
+scaling tool's per-core mode pins and restores, and its threads-against-processes arithmetic."""
 import os
 import pathlib
 import re
@@ -126,3 +126,55 @@ def test_cpu_scaling_cores_restores_affinity_when_a_case_fails(monkeypatch):
         cpu_scaling.time_cores("t", None, 1)
     assert os.sched_getaffinity(0) == cores
     assert torch.get_num_threads() == threads
+
+
+def test_cpu_scaling_versus_round_arithmetic():
+    from benchmarks import cpu_scaling
+
+    # processes at 2 and 4 ms per call: 0.75 calls per ms, one call split over them 4/3 ms
+    split, scaling, procs, share = cpu_scaling.versus_round(3.0, 1.5, [2.0, 4.0])
+    assert split == pytest.approx(4 / 3)
+    assert scaling == pytest.approx(2.0)
+    assert procs == pytest.approx(2.25)
+    assert share == pytest.approx(1 / (1.5 * 0.75))
+
+
+def test_cpu_scaling_pair_scores():
+    from benchmarks import cpu_scaling
+
+    assert cpu_scaling.pair_slowdowns(4.0, 5.0, 6.0, 5.0) == pytest.approx((1.5, 1.0, 1.5 ** 0.5))
+    # 0 and 2 slow each other most; 1's worst partner is 0, whose worst is 2: not mutual
+    score = {(0, 1): 1.1, (0, 2): 1.6, (0, 3): 1.0, (1, 2): 1.0, (1, 3): 1.05, (2, 3): 1.0}
+    assert cpu_scaling.mutual_partners(score, [0, 1, 2, 3]) == [(0, 2)]
+
+
+@needs_affinity
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True, reason="needs 2 cores")
+def test_cpu_scaling_versus_runs_pinned_processes_and_restores_threads(capsys):
+    from benchmarks import cpu_scaling
+
+    threads = torch.get_num_threads()
+    cpu_scaling.versus(["ref", "fwd"], 2, 2, 0.05)
+    assert torch.get_num_threads() == threads
+    out = capsys.readouterr().out.splitlines()
+    for name in ("ref", "fwd"):
+        assert len([line for line in out if line.startswith(f"{name} round ")]) == 2
+        summary = [line for line in out if line.startswith(f"{name}: 2 threads ")]
+        assert len(summary) == 1 and "of the processes' throughput" in summary[0]
+    with pytest.raises(SystemExit, match="unknown cases"):
+        cpu_scaling.versus(["nope"], 2, 1, 0.05)
+    with pytest.raises(SystemExit, match="--versus needs"):
+        cpu_scaling.versus(["ref"], len(os.sched_getaffinity(0)) + 1, 1, 0.05)
+
+
+@needs_affinity
+def test_cpu_scaling_pinned_workers_pin_run_cases_and_close():
+    from benchmarks import cpu_scaling
+
+    core = min(os.sched_getaffinity(0))
+    with cpu_scaling.PinnedWorkers([core]) as workers:
+        for case in ("ref", "pool_fwd"):
+            ms = workers.run(case, [core], 0.02)
+            assert set(ms) == {core} and ms[core] > 0
+        procs = list(workers.workers.values())
+    assert all(p.returncode == 0 for p in procs)
