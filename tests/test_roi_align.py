@@ -267,6 +267,38 @@ def test_cpu_channels_last_and_threads_agree(dtype, channels):
         assert torch.equal(out, tv_roi_align(x, rois, (3, 4), 0.5, -1, True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("sampling_ratio", [-1, 2])
+def test_cpu_backward_row_bands_give_the_same_bits(dtype, aligned, sampling_ratio):
+    """Where the backward's chunks of planes leave a thread fewer than four, it cuts each chunk
+    into bands of rows, a task adding only what lands in its rows. Here 1 thread adds whole
+    planes (4 chunks), and 2, 4 and 16 threads cut 6, 6 and 16 chunks into 2, 3 and 4 bands:
+    all give the same bits, which match torchvision. The RoIs cross band edges and spill off
+    the map; one has a negative size (aligned) and one lies on the last rows, whose samples
+    read a single row twice."""
+    x = features(batch=2, channels=24, height=100, width=23, dtype=dtype, seed=3)
+    g = torch.Generator().manual_seed(7)
+    xy = torch.rand(40, 2, generator=g, dtype=torch.float64) * torch.tensor([23.0, 100.0]) - 3
+    wh = torch.rand(40, 2, generator=g, dtype=torch.float64) * torch.tensor([12.0, 60.0])
+    extra = torch.tensor([[2.0, 95.0, 20.0, 99.9], [5.0, 40.0, 1.0, 30.0], [-5.0, -8.0, 30.0, 110.0]], dtype=torch.float64)
+    boxes = torch.cat([torch.cat([xy, xy + wh], 1), extra])
+    rois = torch.cat([torch.randint(0, 2, (boxes.size(0), 1), generator=g).double(), boxes], 1).to(dtype)
+    grad = torch.randn(rois.size(0), 24, 3, 4, generator=g, dtype=torch.float64).to(dtype)
+
+    def backward(n):
+        return with_threads(n, lambda: torch.ops.detops._roi_align_backward(
+            grad, rois, 1.0, 3, 4, 2, 24, 100, 23, sampling_ratio, aligned))
+
+    want = backward(1)
+    for n in (2, 4, 16):
+        assert torch.equal(backward(n), want), n
+    xt = x.detach().requires_grad_()
+    tv_roi_align(xt, rois, (3, 4), 1.0, sampling_ratio, aligned).backward(grad)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(want, xt.grad, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     x = features(batch=2, channels=2, height=6, width=5, dtype=torch.float64, device=device).requires_grad_()

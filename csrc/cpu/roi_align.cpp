@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "../common/roi_align_checks.h"
@@ -271,6 +272,8 @@ at::Tensor checked_rois(const char* op, const at::Tensor& rois, int64_t batch_si
 constexpr int64_t kChannelBlock = 8;
 // Channels per forward item of the channels_last path (one vector loop).
 constexpr int64_t kChannelsLastBlock = 32;
+// The fewest rows of a backward task's band, where the backward cuts its chunks into bands.
+constexpr int64_t kBackwardBandRows = 8;
 
 // Forward of channels [0, nc) of one RoI, NCHW: channel c reads the plane planes[c] and writes
 // out_c[c * bins + i]. kFixed > 0 makes nc a compile-time constant (a full block).
@@ -453,22 +456,35 @@ void backward_typed(
 
   // Chunks of equal work, up to four per thread, of a block of channels or more where there
   // are planes enough for every thread (a task adds each RoI to a block of channels at once),
-  // taken in order from equal shares; threads done early help the others. Which task adds
-  // into a plane never changes the order of the additions, so the chunking does not affect
-  // the result. Each task zeroes its planes first (grad_input comes uninitialized), while they
-  // are about to be written. Each thread first builds its share of the tables.
+  // taken in order from equal shares; threads done early help the others. Where that leaves
+  // a thread fewer than four chunks, each chunk is cut into bands of rows (at least
+  // kBackwardBandRows each), a task adding only what lands in its band's rows: otherwise a
+  // call whose chunks are one per thread lasts as long as its slowest core, which on a shared
+  // machine runs up to twice as slow as the others (BENCHMARKS.md, "CPU thread scaling").
+  // Which task adds into a pixel never changes the order of its additions, so neither the
+  // chunking nor the bands affect the result. Each task zeroes its rows of its planes first
+  // (grad_input comes uninitialized), while they are about to be written. Each thread first
+  // builds its share of the tables.
   const int64_t planes = batch * channels;
   const int64_t threads = at::get_num_threads();
   const int64_t chunks = std::max<int64_t>(
       1, std::min(planes, std::max(threads, std::min(planes / kChannelBlock, threads * 4))));
   const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
+  const int64_t bands = std::clamp<int64_t>(
+      (threads * 4 + chunks - 1) / chunks, 1, std::max<int64_t>(1, height / kBackwardBandRows));
 
   cpu::parallel_shares(
-      chunks, 1,
-      [&](int64_t chunk_begin, int64_t chunk_end) {
+      chunks * bands, 1,
+      [&](int64_t task_begin, int64_t task_end) {
         OwnTable<acc_t> own;
-        // Adds the gradients of image b's RoIs, in RoI order, to its channels [c_begin, c_end).
-        const auto add_rois = [&](int64_t b, int64_t c_begin, int64_t c_end) {
+        // Adds the gradients of image b's RoIs, in RoI order, to rows [y0, y1) of its channels
+        // [c_begin, c_end). kBanded: rows are a band of the planes, and each sample adds only
+        // its corners in those rows; otherwise they are all the rows.
+        const auto add_rois = [&](auto banded, int64_t b, int64_t c_begin, int64_t c_end,
+                                  int64_t y0, int64_t y1) {
+          constexpr bool kBanded = decltype(banded)::value;
+          const int64_t lo_off = y0 * width, hi_off = y1 * width;  // the band's offsets
+          const auto in_band = [&](int64_t o) { return o >= lo_off && o < hi_off; };
           for (int64_t r = first[b]; r < first[b + 1]; ++r) {
             const int64_t k = order[r];
             const TableRef<acc_t> t = tables.get(k, own);
@@ -478,37 +494,89 @@ void backward_typed(
               acc_t* dst[kChannelBlock];
               for (int64_t c = 0; c < nc; ++c) dst[c] = gi + (b * channels + c0 + c) * plane;
               const scalar_t* gk = g + (k * channels + c0) * bins;
-              for (int64_t ph = 0, i = 0; ph < pooled_height; ++ph) {
-                for (int64_t pw = 0; pw < pooled_width; ++pw, ++i) {
+              for (int64_t ph = 0; ph < pooled_height; ++ph) {
+                const AxisSample<acc_t>* const y_begin = t.rows + t.row_start[ph];
+                const AxisSample<acc_t>* const y_end = t.rows + t.row_start[ph + 1];
+                if constexpr (kBanded) {  // a bin row none of whose sample rows is in the band
+                  bool any = false;
+                  for (const AxisSample<acc_t>* y = y_begin; y < y_end; ++y) {
+                    any = any || in_band(y->lo) || in_band(y->hi);
+                  }
+                  if (!any) continue;
+                }
+                for (int64_t pw = 0; pw < pooled_width; ++pw) {
+                  const int64_t i = ph * pooled_width + pw;
                   acc_t gv[kChannelBlock];
                   for (int64_t c = 0; c < nc; ++c) gv[c] = static_cast<acc_t>(gk[c * bins + i]) / count;
-                  t.for_each_sample(ph, pw, [&](int64_t o1, int64_t o2, int64_t o3, int64_t o4,
-                                                acc_t w1, acc_t w2, acc_t w3, acc_t w4) {
-                    for (int64_t c = 0; c < nc; ++c) {
-                      acc_t* p = dst[c];
-                      p[o1] += w1 * gv[c];
-                      p[o2] += w2 * gv[c];
-                      p[o3] += w3 * gv[c];
-                      p[o4] += w4 * gv[c];
+                  if constexpr (!kBanded) {
+                    t.for_each_sample(ph, pw, [&](int64_t o1, int64_t o2, int64_t o3, int64_t o4,
+                                                  acc_t w1, acc_t w2, acc_t w3, acc_t w4) {
+                      for (int64_t c = 0; c < nc; ++c) {
+                        acc_t* p = dst[c];
+                        p[o1] += w1 * gv[c];
+                        p[o2] += w2 * gv[c];
+                        p[o3] += w3 * gv[c];
+                        p[o4] += w4 * gv[c];
+                      }
+                    });
+                    continue;
+                  }
+                  // for_each_sample's order, each corner added only where its row is in the
+                  // band: every pixel of the band gets the same additions in the same order
+                  const AxisSample<acc_t>* const x_begin = t.cols + t.col_start[pw];
+                  const AxisSample<acc_t>* const x_end = t.cols + t.col_start[pw + 1];
+                  for (const AxisSample<acc_t>* y = y_begin; y < y_end; ++y) {
+                    const bool lo = in_band(y->lo), hi = in_band(y->hi);
+                    if (!lo && !hi) continue;
+                    const int64_t ylo = y->lo, yhi = y->hi;
+                    const acc_t yh = y->h, yl = y->l;
+                    for (const AxisSample<acc_t>* x = x_begin; x < x_end; ++x) {
+                      const int64_t o1 = ylo + x->lo, o2 = ylo + x->hi;
+                      const int64_t o3 = yhi + x->lo, o4 = yhi + x->hi;
+                      const acc_t w1 = yh * x->h, w2 = yh * x->l, w3 = yl * x->h, w4 = yl * x->l;
+                      for (int64_t c = 0; c < nc; ++c) {
+                        acc_t* p = dst[c];
+                        if (lo) {
+                          p[o1] += w1 * gv[c];
+                          p[o2] += w2 * gv[c];
+                        }
+                        if (hi) {
+                          p[o3] += w3 * gv[c];
+                          p[o4] += w4 * gv[c];
+                        }
+                      }
                     }
-                  });
+                  }
                 }
               }
             }
           }
         };
-        const int64_t begin = bounds[chunk_begin], end = bounds[chunk_end];
-        std::fill(gi + begin * plane, gi + end * plane, acc_t(0));
-        for (int64_t b = begin / channels; b * channels < end; ++b) {
-          const int64_t c_begin = std::max(begin, b * channels) - b * channels;
-          const int64_t c_end = std::min(end, (b + 1) * channels) - b * channels;
-          if (tables.empty()) {  // each RoI's table built once, for all the channels
-            add_rois(b, c_begin, c_end);
-            continue;
+        for (int64_t task = task_begin; task < task_end; ++task) {
+          const int64_t chunk = task / bands, band = task % bands;
+          const int64_t y0 = height * band / bands, y1 = height * (band + 1) / bands;
+          const int64_t begin = bounds[chunk], end = bounds[chunk + 1];
+          for (int64_t p = begin; p < end; ++p) {
+            std::fill(gi + p * plane + y0 * width, gi + p * plane + y1 * width, acc_t(0));
           }
-          // one block of channels at a time, so that the planes being added to stay in cache
-          for (int64_t c0 = c_begin; c0 < c_end; c0 += kChannelBlock) {
-            add_rois(b, c0, std::min(c0 + kChannelBlock, c_end));
+          const auto add = [&](int64_t b, int64_t c_begin, int64_t c_end) {
+            if (bands > 1) {
+              add_rois(std::true_type{}, b, c_begin, c_end, y0, y1);
+            } else {
+              add_rois(std::false_type{}, b, c_begin, c_end, 0, height);
+            }
+          };
+          for (int64_t b = begin / channels; b * channels < end; ++b) {
+            const int64_t c_begin = std::max(begin, b * channels) - b * channels;
+            const int64_t c_end = std::min(end, (b + 1) * channels) - b * channels;
+            if (tables.empty()) {  // each RoI's table built once, for all the channels
+              add(b, c_begin, c_end);
+              continue;
+            }
+            // one block of channels at a time, so that the planes being added to stay in cache
+            for (int64_t c0 = c_begin; c0 < c_end; c0 += kChannelBlock) {
+              add(b, c0, std::min(c0 + kChannelBlock, c_end));
+            }
           }
         }
       },
