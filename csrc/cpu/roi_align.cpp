@@ -10,11 +10,12 @@
 //             parallel region before they start on their items, and shared by every task.
 //             For NCHW input the items run RoI fastest within an image and channel block, so
 //             a task reads the planes of one or a few blocks, which stay in its core's cache.
-//   backward: parallel over (image, channel) planes of grad_input; each plane is owned by one
-//             task, which adds the RoIs of that image in index order (bins, samples and the
-//             four corners in a fixed order), so there are no races and the result does not
-//             depend on the number of threads. The planes are cut into chunks of equal work
-//             (images with more RoIs count for more), so threads finish together.
+//   backward: parallel over (image, channel) planes of grad_input; each plane (or each band
+//             of its rows, where whole planes would give a thread fewer than four tasks) is
+//             owned by one task, which adds the RoIs of that image in index order (bins,
+//             samples and the four corners in a fixed order), so there are no races and the
+//             result does not depend on the number of threads. The planes are cut into chunks
+//             of equal work (images with more RoIs count for more), so threads finish together.
 // Every output element is the same expression in the same order on every path:
 //   sum += w1 * v1 + w2 * v2 + w3 * v3 + w4 * v4 per sample, then sum / count.
 // Other layouts are read through a contiguous NCHW copy; outputs are contiguous NCHW.
