@@ -13,6 +13,8 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <vector>
 
 namespace detops {
 namespace cpu {
@@ -87,6 +89,30 @@ template <typename F>
 void parallel_shares(int64_t n, int64_t chunk, const F& fn) {
   parallel_shares(n, chunk, fn, [](int64_t, int64_t) {});
 }
+
+// One T per thread of a parallel_shares call, made by the first range that thread runs: the
+// buffers of a kernel whose chunks are too short to allocate their own (a chunk of a few
+// items costs a few microseconds, about what four allocations and frees cost). Construct it
+// before the call, on the calling thread. get() returns nullptr on a thread whose number is
+// past the slots (fn running on the calling thread inside another parallel region), where
+// fn uses a T of its own instead.
+template <typename T>
+class PerThread {
+ public:
+  PerThread() : slots_(std::max<int64_t>(1, at::get_num_threads())) {}
+
+  template <typename Make>
+  T* get(const Make& make) {
+    const int64_t t = at::get_thread_num();
+    if (t < 0 || t >= static_cast<int64_t>(slots_.size())) return nullptr;
+    std::optional<T>& slot = slots_[t];
+    if (!slot) slot.emplace(make());
+    return &*slot;
+  }
+
+ private:
+  std::vector<std::optional<T>> slots_;
+};
 
 }  // namespace cpu
 }  // namespace detops

@@ -1,7 +1,7 @@
 // cpu::parallel_shares (csrc/cpu/work_shares.h), the loop of the CPU RoI kernels: every item
 // runs exactly once, whatever the thread count and chunk, and threads done with their own share
 // take over the rest of a stalled one; a prologue runs once per share, on its owner, before
-// that thread's chunks.
+// that thread's chunks. cpu::PerThread gives each thread of such a loop a T of its own.
 #include <gtest/gtest.h>
 
 #include <ATen/Parallel.h>
@@ -139,6 +139,64 @@ TEST(ParallelShares, InsideAParallelRegionRunsOnTheCallingThread) {
   });
   EXPECT_EQ(calls.load(), 2);
   EXPECT_EQ(items.load(), 200);
+}
+
+TEST(PerThread, EachThreadGetsItsOwnValueMadeOnce) {
+  for (int threads : {1, 3, 4}) {
+    ThreadCount count(threads);
+    struct Counter {
+      std::thread::id owner;
+      int64_t items = 0;
+    };
+    std::atomic<int> made{0};
+    std::atomic<bool> shared{false};
+    detops::cpu::PerThread<Counter> counters;
+    std::mutex mutex;
+    std::set<Counter*> seen;
+    detops::cpu::parallel_shares(1000, 3, [&](int64_t begin, int64_t end) {
+      Counter* c = counters.get([&] {
+        made.fetch_add(1);
+        return Counter{std::this_thread::get_id(), 0};
+      });
+      ASSERT_NE(c, nullptr);
+      if (c->owner != std::this_thread::get_id()) shared = true;
+      c->items += end - begin;
+      const std::lock_guard<std::mutex> lock(mutex);
+      seen.insert(c);
+    });
+    int64_t items = 0;
+    for (Counter* c : seen) items += c->items;
+    EXPECT_EQ(items, 1000) << "threads " << threads;
+    EXPECT_FALSE(shared.load()) << "threads " << threads;
+    EXPECT_EQ(made.load(), static_cast<int>(seen.size())) << "threads " << threads;
+    EXPECT_LE(made.load(), threads) << "threads " << threads;
+  }
+}
+
+TEST(PerThread, AThreadPastTheSlotsGetsNone) {
+  std::unique_ptr<detops::cpu::PerThread<int>> one;
+  {
+    ThreadCount count(1);
+    one = std::make_unique<detops::cpu::PerThread<int>>();  // one slot
+  }
+  ThreadCount count(4);
+  if (!parallel_for_uses_threads()) GTEST_SKIP() << "at::parallel_for runs on one thread in this build";
+  std::atomic<int> none{0}, some{0};
+  at::parallel_for(0, 4, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      int* v = one->get([] { return 7; });
+      if (v == nullptr) {
+        EXPECT_NE(at::get_thread_num(), 0);
+        none.fetch_add(1);
+      } else {
+        EXPECT_EQ(at::get_thread_num(), 0);
+        EXPECT_EQ(*v, 7);
+        some.fetch_add(1);
+      }
+    }
+  });
+  EXPECT_GT(none.load(), 0);
+  EXPECT_GT(some.load(), 0);
 }
 
 }  // namespace
