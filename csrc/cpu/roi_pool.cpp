@@ -11,6 +11,7 @@
 //     the block's channels are the vector lanes, and each bin row's column maxima are found
 //     once for all the bins of that row (see "two steps" below);
 //   * any other input: a scalar scan per channel and bin (window_max).
+// Items are taken one at a time, so the threads end within an item of each other.
 // Backward: grad_input is cut into ranges of (image, channel) planes of equal work; each plane
 // receives the gradients of its image's RoIs in RoI order: race-free, deterministic, and the
 // same summation order as a serial loop over RoIs. float32 / float64 add into grad_input
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -108,6 +110,31 @@ struct RoiWindows {
       }
     }
   }
+};
+
+// Items of the forward in one chunk of its parallel loop.
+constexpr int64_t kForwardChunk = 1;
+
+// Chunks of the backward's planes per thread, at most (never more chunks than planes).
+constexpr int64_t kBackwardChunksPerThread = 16;
+
+// A forward thread's buffers: the vector path's column maxima and results (lanes entries per
+// column / bin; index_lanes for their indices, 0 without argmax), and the windows of the RoI
+// win_roi (-1: none yet).
+struct ForwardScratch {
+  std::vector<float> col_max, res;
+  std::vector<int32_t> col_idx, res_idx;
+  RoiWindows win;
+  int64_t win_roi = -1;
+
+  ForwardScratch(
+      int64_t width, int64_t bins, int64_t lanes, int64_t index_lanes, int64_t pooled_height,
+      int64_t pooled_width)
+      : col_max(width * lanes),
+        res(bins * lanes),
+        col_idx(width * index_lanes),
+        res_idx(bins * index_lanes),
+        win(pooled_height, pooled_width) {}
 };
 
 // ---- Scalar path: any dtype, any strides, one channel and one bin at a time.
@@ -247,19 +274,32 @@ void roi_pool_forward_typed(
   // instead: a block reads 32 bytes of each pixel, so the blocks of one RoI, one after the
   // other, find its pixels' other channels in cache (BENCHMARKS.md, "CPU roi_pool forward
   // without argmax: no index tracked"). Equal shares, a chunk at a time; threads done early
-  // help the others.
+  // help the others. A chunk is one item of a few microseconds, so the threads end within
+  // about an item of each other, also where one core runs at half the speed of the others
+  // (with 8 items a chunk, a 16-thread call on the small map ended its threads 70 us apart:
+  // BENCHMARKS.md, "CPU roi_pool forward+backward: the threads' last chunks"). A thread's
+  // buffers live across its chunks, so a chunk allocates nothing.
   const int64_t num_rois = rois.size(0);
   const int64_t items = num_rois * blocks;
   const bool block_fastest = s_c == 1 && channels > 1;
-  cpu::parallel_shares(items, cpu::share_chunk(items, 32), [&](int64_t i0, int64_t i1) {
-    // vector path: the column maxima of one bin row and the results of one block, channel
-    // minor (kChannelBlock entries per column / bin)
-    const int64_t lanes = vector_path ? kChannelBlock : 0;
-    const int64_t index_lanes = arg ? lanes : 0;  // the values alone track no index
-    std::vector<float> col_max(width * lanes), res(bins * lanes);
-    std::vector<int32_t> col_idx(width * index_lanes), res_idx(bins * index_lanes);
-    RoiWindows win(pooled_height, pooled_width);
-    int64_t win_roi = -1;  // the RoI whose windows `win` holds
+  // vector path: the column maxima of one bin row and the results of one block, channel
+  // minor (kChannelBlock entries per column / bin)
+  const int64_t lanes = vector_path ? kChannelBlock : 0;
+  const int64_t index_lanes = arg ? lanes : 0;  // the values alone track no index
+  const auto make_scratch = [&] {
+    return ForwardScratch(width, bins, lanes, index_lanes, pooled_height, pooled_width);
+  };
+  cpu::PerThread<ForwardScratch> scratch;
+  cpu::parallel_shares(items, kForwardChunk, [&](int64_t i0, int64_t i1) {
+    std::optional<ForwardScratch> own;
+    ForwardScratch* sp = scratch.get(make_scratch);
+    if (sp == nullptr) sp = &own.emplace(make_scratch());
+    std::vector<float>& col_max = sp->col_max;
+    std::vector<float>& res = sp->res;
+    std::vector<int32_t>& col_idx = sp->col_idx;
+    std::vector<int32_t>& res_idx = sp->res_idx;
+    RoiWindows& win = sp->win;
+    int64_t& win_roi = sp->win_roi;  // the RoI whose windows `win` holds
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t k = block_fastest ? item / blocks : item % num_rois;
       const int64_t c0 = (block_fastest ? item % blocks : item / num_rois) * kChannelBlock;
@@ -355,20 +395,28 @@ bool roi_pool_backward_typed(
       static_cast<int64_t>(roi_batch.size()), batch, [&](int64_t k) { return roi_batch[k]; },
       first, by_image);
 
-  // Chunks of equal work, four per thread, taken in order from equal shares (threads done
-  // early help the others); the chunking never changes the order in which a plane receives
-  // its additions.
+  // Chunks of equal work, up to kBackwardChunksPerThread per thread and at least a plane
+  // each, taken in order from equal shares (threads done early help the others); the chunking
+  // never changes the order in which a plane receives its additions. A plane of the small map
+  // takes 10-30 us: with four chunks a thread, two planes each at 16 threads, the threads
+  // ended 60-70 us apart, with a plane each 33-37 us (BENCHMARKS.md, "CPU roi_pool
+  // forward+backward: the threads' last chunks").
   const int64_t planes = batch * channels;
-  const int64_t chunks =
-      std::max<int64_t>(1, std::min<int64_t>(planes, int64_t{at::get_num_threads()} * 4));
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min<int64_t>(planes, int64_t{at::get_num_threads()} * kBackwardChunksPerThread));
   const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
   constexpr bool kDirect = std::is_same<acc_t, scalar_t>::value;
 
   // grad_input comes uninitialized: each task writes its planes whole (zeroes, then adds).
   // An argmax outside [-1, H * W) is never followed; it sets `bad`, and the caller reports it.
+  // float16 / bfloat16: a float32 plane per thread, kept across its chunks.
   std::atomic<bool> bad{false};
+  const auto make_buffer = [&] { return std::vector<acc_t>(kDirect ? 0 : plane_size); };
+  cpu::PerThread<std::vector<acc_t>> buffers;
   cpu::parallel_shares(chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    std::vector<acc_t> buffer(kDirect ? 0 : plane_size);
+    std::optional<std::vector<acc_t>> own;
+    std::vector<acc_t>* buffer = buffers.get(make_buffer);
+    if (buffer == nullptr) buffer = &own.emplace(make_buffer());
     bool task_bad = false;
     for (int64_t p = bounds[chunk_begin]; p < bounds[chunk_end]; ++p) {
       const int64_t b = p / channels, c = p % channels;
@@ -381,7 +429,7 @@ bool roi_pool_backward_typed(
       if constexpr (kDirect) {
         acc = dst;
       } else {
-        acc = buffer.data();
+        acc = buffer->data();
       }
       std::fill(acc, acc + plane_size, acc_t(0));
       for (int64_t q = first[b]; q < first[b + 1]; ++q) {
