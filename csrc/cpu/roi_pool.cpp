@@ -276,9 +276,9 @@ void roi_pool_forward_typed(
   // without argmax: no index tracked"). Equal shares, a chunk at a time; threads done early
   // help the others. A chunk is one item of a few microseconds, so the threads end within
   // about an item of each other, also where one core runs at half the speed of the others
-  // (with 8 items a chunk, a 16-thread call on the small map ended its threads 70 us apart:
-  // BENCHMARKS.md, "CPU roi_pool forward+backward: the threads' last chunks"). A thread's
-  // buffers live across its chunks, so a chunk allocates nothing.
+  // (with 8 items a chunk, a 16-thread call on the small map ended its threads 69-78 us
+  // apart, with one 9-11 us: BENCHMARKS.md, "roi_pool forward+backward: the threads' last
+  // chunks"). A thread's buffers live across its chunks, so a chunk allocates nothing.
   const int64_t num_rois = rois.size(0);
   const int64_t items = num_rois * blocks;
   const bool block_fastest = s_c == 1 && channels > 1;
@@ -399,7 +399,7 @@ bool roi_pool_backward_typed(
   // each, taken in order from equal shares (threads done early help the others); the chunking
   // never changes the order in which a plane receives its additions. A plane of the small map
   // takes 10-30 us: with four chunks a thread, two planes each at 16 threads, the threads
-  // ended 60-70 us apart, with a plane each 33-37 us (BENCHMARKS.md, "CPU roi_pool
+  // ended 62-73 us apart, with a plane each 33-37 us (BENCHMARKS.md, "roi_pool
   // forward+backward: the threads' last chunks").
   const int64_t planes = batch * channels;
   const int64_t chunks = std::max<int64_t>(
