@@ -88,10 +88,12 @@ struct Sse2Lanes {
     return _mm_movemask_ps(_mm_cmpeq_ps(v.lo, zero)) |
            _mm_movemask_ps(_mm_cmpeq_ps(v.hi, zero)) << 4;
   }
-  // Where v > m: m = v and r = idx.
+  // Where v > m: m = v and r = idx. MAXPS takes v exactly where the ordered v > m holds, so m
+  // needs no select, and its chain of dependent instructions is one MAXPS per value, as
+  // without an index; the comparison only steers r.
   static void keep_greater(F v, I idx, F& m, I& r) {
     const __m128 lo = _mm_cmpgt_ps(v.lo, m.lo), hi = _mm_cmpgt_ps(v.hi, m.hi);
-    m = {select(lo, v.lo, m.lo), select(hi, v.hi, m.hi)};
+    m = {_mm_max_ps(v.lo, m.lo), _mm_max_ps(v.hi, m.hi)};
     r = {select(_mm_castps_si128(lo), idx.lo, r.lo), select(_mm_castps_si128(hi), idx.hi, r.hi)};
   }
   // Where v > best, or v == best and i < bi: best = v and bi = i.
@@ -180,9 +182,9 @@ struct Avx2Lanes {
   DETOPS_AVX2_INLINE static int zero_lanes(F v) {
     return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_EQ_OQ));
   }
-  DETOPS_AVX2_INLINE static void keep_greater(F v, I idx, F& m, I& r) {
+  DETOPS_AVX2_INLINE static void keep_greater(F v, I idx, F& m, I& r) {  // as Sse2Lanes'
     const F greater = _mm256_cmp_ps(v, m, _CMP_GT_OQ);
-    m = _mm256_blendv_ps(m, v, greater);
+    m = _mm256_max_ps(v, m);
     r = blend(r, idx, greater);
   }
   DETOPS_AVX2_INLINE static void keep_first_max(F v, I i, F& best, I& bi) {
