@@ -14,8 +14,10 @@
 // Items are taken one at a time, so the threads end within an item of each other.
 // Backward: grad_input is cut into ranges of (image, channel) planes of equal work; each plane
 // receives the gradients of its image's RoIs in RoI order: race-free, deterministic, and the
-// same summation order as a serial loop over RoIs. float32 / float64 add into grad_input
-// directly; float16 / bfloat16 through a float32 plane that is rounded once at the end.
+// same summation order as a serial loop over RoIs, with the argmax and gradients of the RoIs a
+// few places ahead asked for while it adds (they lie C * bins values apart). float32 /
+// float64 add into grad_input directly; float16 / bfloat16 through a float32 plane that is
+// rounded once at the end.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -117,6 +119,24 @@ constexpr int64_t kForwardChunk = 1;
 
 // Chunks of the backward's planes per thread, at most (never more chunks than planes).
 constexpr int64_t kBackwardChunksPerThread = 16;
+
+// The backward asks for the argmax and gradients of the RoI this many places ahead in its
+// image's list while it adds the current one's: a plane's RoIs are a channel's (k, c) entries,
+// C * bins values apart, each on other cache lines and mostly another page, which the
+// hardware prefetchers do not follow.
+constexpr int64_t kBackwardPrefetchRois = 4;
+
+// Asks the CPU to bring [p, p + bytes) into its caches; a hint, never a fault.
+inline void prefetch_range(const void* p, int64_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+  __builtin_prefetch(c + bytes - 1);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
 
 // A forward thread's buffers: the vector path's column maxima and results (lanes entries per
 // column / bin; index_lanes for their indices, 0 without argmax), and the windows of the RoI
@@ -388,6 +408,9 @@ bool roi_pool_backward_typed(
   const scalar_t* g = grad.const_data_ptr<scalar_t>();
   const int32_t* arg = argmax.const_data_ptr<int32_t>();
   scalar_t* gi = grad_input.data_ptr<scalar_t>();
+  // bytes from a (RoI, channel)'s first gradient to past its last (contiguous: bins values)
+  const int64_t g_span =
+      ((pooled_height - 1) * g_h + (pooled_width - 1) * g_w + 1) * int64_t{sizeof(scalar_t)};
 
   // RoIs of each image, in RoI order.
   std::vector<int64_t> first, by_image;
@@ -436,6 +459,11 @@ bool roi_pool_backward_typed(
         const int64_t k = by_image[q];
         const int32_t* a = arg + (k * channels + c) * bins;
         const scalar_t* gk = g + k * g_k + c * g_c;
+        if (q + kBackwardPrefetchRois < first[b + 1]) {
+          const int64_t kn = by_image[q + kBackwardPrefetchRois];
+          prefetch_range(arg + (kn * channels + c) * bins, bins * sizeof(int32_t));
+          prefetch_range(g + kn * g_k + c * g_c, g_span);
+        }
         for (int64_t ph = 0; ph < pooled_height; ++ph) {
           for (int64_t pw = 0; pw < pooled_width; ++pw) {
             const int32_t idx = a[ph * pooled_width + pw];
