@@ -91,9 +91,8 @@ void parallel_shares(int64_t n, int64_t chunk, const F& fn) {
 }
 
 // One T per thread of a parallel_shares call, made by the first range that thread runs: the
-// buffers of a kernel whose chunks are too short to allocate their own (a chunk of a few
-// items costs a few microseconds, about what four allocations and frees cost). Construct it
-// before the call, on the calling thread. get() returns nullptr on a thread whose number is
+// buffers of a kernel whose chunks last a few microseconds, too short to allocate and free
+// buffers of their own each time. Construct it before the call, on the calling thread. get() returns nullptr on a thread whose number is
 // past the slots (fn running on the calling thread inside another parallel region), where
 // fn uses a T of its own instead.
 template <typename T>
