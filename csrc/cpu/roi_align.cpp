@@ -498,10 +498,15 @@ void backward_typed(
               for (int64_t ph = 0; ph < pooled_height; ++ph) {
                 const AxisSample<acc_t>* const y_begin = t.rows + t.row_start[ph];
                 const AxisSample<acc_t>* const y_end = t.rows + t.row_start[ph + 1];
-                if constexpr (kBanded) {  // a bin row none of whose sample rows is in the band
+                // whole: every corner row of bin row ph is in the band, so its samples are
+                // added as without bands; a bin row with none in the band is skipped
+                bool whole = true;
+                if constexpr (kBanded) {
                   bool any = false;
                   for (const AxisSample<acc_t>* y = y_begin; y < y_end; ++y) {
-                    any = any || in_band(y->lo) || in_band(y->hi);
+                    const bool lo = in_band(y->lo), hi = in_band(y->hi);
+                    any = any || lo || hi;
+                    whole = whole && lo && hi;
                   }
                   if (!any) continue;
                 }
@@ -509,7 +514,7 @@ void backward_typed(
                   const int64_t i = ph * pooled_width + pw;
                   acc_t gv[kChannelBlock];
                   for (int64_t c = 0; c < nc; ++c) gv[c] = static_cast<acc_t>(gk[c * bins + i]) / count;
-                  if constexpr (!kBanded) {
+                  if (!kBanded || whole) {
                     t.for_each_sample(ph, pw, [&](int64_t o1, int64_t o2, int64_t o3, int64_t o4,
                                                   acc_t w1, acc_t w2, acc_t w3, acc_t w4) {
                       for (int64_t c = 0; c < nc; ++c) {
