@@ -1426,6 +1426,28 @@ def test_cuda_band_kernels_skip_rois_off_the_map(aligned):
     torch.testing.assert_close(out_b.cpu(), ref, rtol=1e-5, atol=2e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backward_bands_keep_the_bits(dtype):
+    # 2 x 64 planes of 40 rows: at 2 and 3 threads each thread has four chunks of planes and
+    # the last of each share is cut into bands of rows, at 5 and 16 every chunk is, at 1 none
+    # is. RoIs of every size, some across the map's edges, with fixed and adaptive grids: bin
+    # rows wholly inside a band and rows across a band's edge. Every thread count gives the
+    # one-thread bits, close to float64.
+    g = torch.Generator().manual_seed(11)
+    xy = torch.rand(96, 2, generator=g) * 90 - 10
+    wh = torch.rand(96, 2, generator=g) * 60 + 0.5
+    rois = torch.cat([torch.randint(0, 2, (96, 1), generator=g).float(), xy, xy + wh], 1).to(dtype)
+    grad = torch.randn(96, 64, 5, 4, generator=g).to(dtype)
+    for sampling_ratio in (2, 0):
+        args = (rois, 0.5, 5, 4, 2, 64, 40, 36, sampling_ratio, True)
+        want = torch.ops.detops._roi_align_backward(grad.double(), rois.double(), *args[1:])
+        got = [with_threads(n, lambda: torch.ops.detops._roi_align_backward(grad, *args)) for n in (1, 2, 3, 5, 16)]
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got[0].double(), want, rtol=tol, atol=tol)
+        for n, g_n in zip((2, 3, 5, 16), got[1:]):
+            assert torch.equal(g_n, got[0]), f"{n} threads, sampling_ratio {sampling_ratio}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_cpu_backward_writes_every_element(dtype, threads):

@@ -275,6 +275,10 @@ constexpr int64_t kChannelBlock = 8;
 constexpr int64_t kChannelsLastBlock = 32;
 // The fewest rows of a backward task's band, where the backward cuts its chunks into bands.
 constexpr int64_t kBackwardBandRows = 8;
+// The backward's chunks of planes per thread, where there are planes enough.
+constexpr int64_t kBackwardChunksPerThread = 4;
+// Bands of the last chunk of each thread's share, where the chunks are not cut otherwise.
+constexpr int64_t kBackwardTailBands = 4;
 
 // Forward of channels [0, nc) of one RoI, NCHW: channel c reads the plane planes[c] and writes
 // out_c[c * bins + i]. kFixed > 0 makes nc a compile-time constant (a full block).
@@ -462,20 +466,45 @@ void backward_typed(
   // kBackwardBandRows each), a task adding only what lands in its band's rows: otherwise a
   // call whose chunks are one per thread lasts as long as its slowest core, which on a shared
   // machine runs up to twice as slow as the others (BENCHMARKS.md, "CPU thread scaling").
-  // Which task adds into a pixel never changes the order of its additions, so neither the
-  // chunking nor the bands affect the result. Each task zeroes its rows of its planes first
-  // (grad_input comes uninitialized), while they are about to be written. Each thread first
-  // builds its share of the tables.
+  // Where each thread has four chunks, only the last chunk of each share is cut, into
+  // kBackwardTailBands bands: the tasks that end the shares, and so the call, are a quarter of
+  // a chunk, while three quarters of the work runs without the bands' cost (a RoI's bin rows
+  // that cross a band's edge are walked once per band). Which task adds into a pixel never
+  // changes the order of its additions, so neither the chunking nor the bands affect the
+  // result. Each task zeroes its rows of its planes first (grad_input comes uninitialized),
+  // while they are about to be written. Each thread first builds its share of the tables.
   const int64_t planes = batch * channels;
   const int64_t threads = at::get_num_threads();
   const int64_t chunks = std::max<int64_t>(
-      1, std::min(planes, std::max(threads, std::min(planes / kChannelBlock, threads * 4))));
+      1, std::min(planes, std::max(threads, std::min(planes / kChannelBlock,
+                                                     threads * kBackwardChunksPerThread))));
   const std::vector<int64_t> bounds = cpu::balanced_plane_ranges(first, channels, chunks);
+  const int64_t most_bands = std::max<int64_t>(1, height / kBackwardBandRows);
   const int64_t bands = std::clamp<int64_t>(
-      (threads * 4 + chunks - 1) / chunks, 1, std::max<int64_t>(1, height / kBackwardBandRows));
+      (threads * kBackwardChunksPerThread + chunks - 1) / chunks, 1, most_bands);
+  // The bands of each share's last chunk where only those chunks are cut, else 1; then the
+  // tasks of a share.
+  const int64_t tail_bands =
+      bands == 1 && threads > 1 && chunks == threads * kBackwardChunksPerThread
+      ? std::min(kBackwardTailBands, most_bands)
+      : 1;
+  const int64_t share_tasks = kBackwardChunksPerThread - 1 + tail_bands;
+  const int64_t tasks = tail_bands > 1 ? threads * share_tasks : chunks * bands;
+  // Task `task`'s chunk, its band and the bands of that chunk.
+  const auto task_rows = [&](int64_t task, int64_t& chunk, int64_t& band, int64_t& of) {
+    if (tail_bands == 1) {
+      chunk = task / bands, band = task % bands, of = bands;
+      return;
+    }
+    const int64_t share = task / share_tasks, j = task % share_tasks;
+    const int64_t whole = kBackwardChunksPerThread - 1;
+    chunk = share * kBackwardChunksPerThread + std::min(j, whole);
+    band = j < whole ? 0 : j - whole;
+    of = j < whole ? 1 : tail_bands;
+  };
 
   cpu::parallel_shares(
-      chunks * bands, 1,
+      tasks, 1,
       [&](int64_t task_begin, int64_t task_end) {
         OwnTable<acc_t> own;
         // Adds the gradients of image b's RoIs, in RoI order, to rows [y0, y1) of its channels
@@ -559,14 +588,15 @@ void backward_typed(
           }
         };
         for (int64_t task = task_begin; task < task_end; ++task) {
-          const int64_t chunk = task / bands, band = task % bands;
-          const int64_t y0 = height * band / bands, y1 = height * (band + 1) / bands;
+          int64_t chunk, band, of;
+          task_rows(task, chunk, band, of);
+          const int64_t y0 = height * band / of, y1 = height * (band + 1) / of;
           const int64_t begin = bounds[chunk], end = bounds[chunk + 1];
           for (int64_t p = begin; p < end; ++p) {
             std::fill(gi + p * plane + y0 * width, gi + p * plane + y1 * width, acc_t(0));
           }
           const auto add = [&](int64_t b, int64_t c_begin, int64_t c_end) {
-            if (bands > 1) {
+            if (of > 1) {
               add_rois(std::true_type{}, b, c_begin, c_end, y0, y1);
             } else {
               add_rois(std::false_type{}, b, c_begin, c_end, 0, height);
