@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -16,6 +18,13 @@ namespace cpu {
 
 // Outputs of at least this many bytes ask for transparent huge pages (see empty_output).
 constexpr int64_t kHugePageMinBytes = int64_t{8} << 20;
+// A transparent huge page.
+constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+
+#if defined(__linux__)
+// madvise's MADV_POPULATE_WRITE, which headers older than Linux 5.14 lack.
+constexpr int kPopulateWrite = 23;
+#endif
 
 // An uninitialized output whose every element the kernel writes. A large allocation is fresh
 // memory (glibc maps allocations of 32 MiB and more anew each time), so each 4 KiB page the
@@ -26,35 +35,57 @@ constexpr int64_t kHugePageMinBytes = int64_t{8} << 20;
 // does for every allocation. It is a hint: where the system has transparent huge pages off,
 // or the memory is already in use, nothing changes.
 //
-// With several threads, such a buffer is then touched once per 4 KiB page, in parallel ranges
-// of 2 MiB or more, before the kernel runs. The kernels' threads write all over their output (a
-// thread's items are RoIs of every part of it), so their first writes fault on the same pages
-// at once and queue behind each other in the OS: a 16-thread roi_align forward whose output
-// was touched this way spent 13.6 instead of 16.8 ms in its kernel (BENCHMARKS.md, "CPU
-// thread scaling"). The touch writes a zero byte per page of an output the kernel overwrites.
+// With several threads, such a buffer's pages are then mapped in parallel before the kernel
+// runs (map_pages). The kernels' threads write all over their output (a thread's items are
+// RoIs of every part of it), so their first writes fault on the same pages at once and queue
+// behind each other in the OS: a 16-thread roi_align forward whose output was touched first
+// spent 13.6 instead of 16.8 ms in its kernel (BENCHMARKS.md, "CPU thread scaling").
+//
+// map_pages maps [begin, end) for writing, splitting it into tasks that each fault pages of
+// one kind: every whole 2 MiB page of the interior alone, and the 4 KiB pages at either end in
+// pieces of 256 KiB (up to 2 MiB at each end: most of the 795 faults of a 51 MB output, which
+// in ranges of the threads' equal shares fell to two threads). A task asks the OS to map its
+// range (MADV_POPULATE_WRITE, Linux 5.14 and later), which faults the pages in one system call
+// and leaves their contents alone; where the OS does not have it, the task writes a zero byte
+// to each page, which the kernel then overwrites.
+inline void map_pages(uintptr_t begin, uintptr_t end) {
+  constexpr uintptr_t kPage = 4096, kPiece = uintptr_t{256} << 10;
+  const uintptr_t lo = begin & ~(kPage - 1);
+  const uintptr_t hi = (end + kPage - 1) & ~(kPage - 1);
+  uintptr_t huge_lo = (begin + kHugePage - 1) & ~(kHugePage - 1);
+  uintptr_t huge_hi = end & ~(kHugePage - 1);
+  if (huge_hi <= huge_lo) huge_lo = huge_hi = hi;  // no whole 2 MiB page
+  std::vector<std::pair<uintptr_t, uintptr_t>> tasks;  // [first byte, end) of each task
+  for (uintptr_t a = lo; a < huge_lo; a += kPiece) {
+    tasks.emplace_back(a, std::min(a + kPiece, huge_lo));
+  }
+  for (uintptr_t a = huge_lo; a < huge_hi; a += kHugePage) tasks.emplace_back(a, a + kHugePage);
+  for (uintptr_t a = huge_hi; a < hi; a += kPiece) tasks.emplace_back(a, std::min(a + kPiece, hi));
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto [a0, a1] = tasks[t];
+#if defined(__linux__)
+      if (madvise(reinterpret_cast<void*>(a0), a1 - a0, kPopulateWrite) == 0) continue;
+#endif
+      for (uintptr_t a = a0; a < a1; a += kPage) {
+        *reinterpret_cast<volatile unsigned char*>(std::max(a, begin)) = 0;
+      }
+    }
+  });
+}
+
 inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   at::Tensor t = at::empty(sizes, options);
   const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
   if (bytes < kHugePageMinBytes) return t;
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
   const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t last = end & ~(kHuge - 1);
+  const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t last = end & ~(kHugePage - 1);
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
 #endif
-  if (at::get_num_threads() > 1 && !at::in_parallel_region()) {
-    constexpr uintptr_t kPage = 4096;
-    const uintptr_t first_page = begin & ~(kPage - 1);
-    const int64_t pages = static_cast<int64_t>((end - 1 - first_page) / kPage) + 1;
-    at::parallel_for(0, pages, static_cast<int64_t>(kHuge / kPage), [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const uintptr_t a = std::max(begin, first_page + static_cast<uintptr_t>(p) * kPage);
-        *reinterpret_cast<volatile unsigned char*>(a) = 0;
-      }
-    });
-  }
+  if (at::get_num_threads() > 1 && !at::in_parallel_region()) map_pages(begin, end);
   return t;
 }
 

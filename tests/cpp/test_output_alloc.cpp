@@ -1,0 +1,111 @@
+// cpu::map_pages and cpu::empty_output (csrc/cpu/output_alloc.h): before a threaded kernel
+// writes a large output, every page of it is mapped, and no page outside it is touched.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
+#include "cpu/output_alloc.h"
+
+namespace {
+
+// at::set_num_threads for one test, restored after it.
+class ThreadCount {
+ public:
+  explicit ThreadCount(int n) : saved_(at::get_num_threads()) { at::set_num_threads(n); }
+  ~ThreadCount() { at::set_num_threads(saved_); }
+
+ private:
+  int saved_;
+};
+
+#if defined(__linux__)
+constexpr uintptr_t kPage = 4096;
+
+// A fresh anonymous mapping of `bytes` in 4 KiB pages only (no page is resident before it is
+// first written), unmapped at the end of the test.
+class FreshMapping {
+ public:
+  explicit FreshMapping(size_t bytes) : bytes_(bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    base_ = p == MAP_FAILED ? nullptr : static_cast<unsigned char*>(p);
+    // a 2 MiB page would make its neighbours resident with the page map_pages asks for
+    if (base_ != nullptr) madvise(base_, bytes_, MADV_NOHUGEPAGE);
+  }
+  ~FreshMapping() {
+    if (base_ != nullptr) munmap(base_, bytes_);
+  }
+  uintptr_t base() const { return reinterpret_cast<uintptr_t>(base_); }
+
+  // Whether each 4 KiB page of the mapping is resident.
+  std::vector<bool> resident() const {
+    std::vector<unsigned char> v(bytes_ / kPage);
+    EXPECT_EQ(mincore(base_, bytes_, v.data()), 0);
+    std::vector<bool> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = (v[i] & 1) != 0;
+    return out;
+  }
+
+ private:
+  size_t bytes_;
+  unsigned char* base_;
+};
+#endif
+
+TEST(MapPages, MapsEveryPageOfTheRangeAndNoOther) {
+#if defined(__linux__)
+  // ranges that start and end inside pages, on page and 2 MiB boundaries, shorter than a
+  // 2 MiB page and spanning several, at 1 and 3 threads
+  const uintptr_t huge = detops::cpu::kHugePage;
+  const std::vector<std::pair<uintptr_t, uintptr_t>> ranges = {
+      {16, 16 + 3 * huge + 100}, {kPage + 64, 5 * kPage}, {huge - 8, 2 * huge + 8},
+      {huge, 3 * huge}, {3 * kPage, 3 * kPage + 1}, {100, huge + 5 * kPage + 7}};
+  for (int threads : {1, 3}) {
+    ThreadCount count(threads);
+    for (const auto& [from, to] : ranges) {
+      FreshMapping m(6 * huge);
+      ASSERT_NE(m.base(), 0u);
+      // offsets from a 2 MiB boundary inside the mapping, so that the range has whole 2 MiB
+      // pages where it spans them
+      const uintptr_t origin = (m.base() + huge - 1) & ~(huge - 1);
+      const uintptr_t begin = origin + from, end = origin + to;
+      detops::cpu::map_pages(begin, end);
+      const std::vector<bool> resident = m.resident();
+      for (size_t i = 0; i < resident.size(); ++i) {
+        const uintptr_t page = m.base() + i * kPage;
+        const bool inside = page + kPage > begin && page < end;
+        ASSERT_EQ(resident[i], inside) << "threads " << threads << ", range [" << from << ", " << to
+                                       << ") from a 2 MiB boundary, page " << i;
+      }
+    }
+  }
+#else
+  GTEST_SKIP() << "mincore is Linux's";
+#endif
+}
+
+TEST(EmptyOutput, ALargeOutputIsMappedBeforeAThreadedKernel) {
+#if defined(__linux__)
+  ThreadCount count(3);
+  // 12 MiB of float: past kHugePageMinBytes
+  const at::Tensor t = detops::cpu::empty_output({3, 1 << 20}, at::TensorOptions().dtype(at::kFloat));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t end = begin + static_cast<uintptr_t>(t.numel()) * sizeof(float);
+  const uintptr_t lo = begin & ~(kPage - 1);
+  std::vector<unsigned char> v((end - lo + kPage - 1) / kPage);
+  ASSERT_EQ(mincore(reinterpret_cast<void*>(lo), end - lo, v.data()), 0);
+  for (size_t i = 0; i < v.size(); ++i) ASSERT_TRUE(v[i] & 1) << "page " << i << " of " << v.size();
+#else
+  GTEST_SKIP() << "mincore is Linux's";
+#endif
+}
+
+}  // namespace
