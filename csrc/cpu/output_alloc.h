@@ -36,10 +36,11 @@ constexpr int kPopulateWrite = 23;
 // or the memory is already in use, nothing changes.
 //
 // With several threads, such a buffer's pages are then mapped in parallel before the kernel
-// runs (map_pages). The kernels' threads write all over their output (a thread's items are
-// RoIs of every part of it), so their first writes fault on the same pages at once and queue
-// behind each other in the OS: a 16-thread roi_align forward whose output was touched first
-// spent 13.6 instead of 16.8 ms in its kernel (BENCHMARKS.md, "CPU thread scaling").
+// runs (map_pages), unless the kernel's tasks first write ranges of their own (FirstWrites).
+// The forwards' threads write all over their output (a thread's items are RoIs of every part
+// of it), so their first writes would fault on the same pages at once and queue behind each
+// other in the OS: a 16-thread roi_align forward whose output was touched first spent 13.6
+// instead of 16.8 ms in its kernel (BENCHMARKS.md, "CPU thread scaling").
 //
 // map_pages maps [begin, end) for writing, splitting it into tasks that each fault pages of
 // one kind: every whole 2 MiB page of the interior alone, and the 4 KiB pages at either end in
@@ -74,7 +75,17 @@ inline void map_pages(uintptr_t begin, uintptr_t end) {
   });
 }
 
-inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+// Where a kernel's threads first write its output: kAnywhere, every thread all over it (the
+// forwards), so its pages are mapped first; kOwnRanges, each task a range of its own (the
+// backwards zero their planes' rows before adding into them), so a task's first writes fault
+// on pages no other thread writes, while the other threads work. A 16-thread 2x256x200x304
+// roi_align backward spent 2.2-2.8 ms of its 17-20 ms mapping its 124 MB grad_input first, and
+// took 2.5-4% less time without that step (BENCHMARKS.md, "The large maps at 16 threads").
+enum class FirstWrites { kAnywhere, kOwnRanges };
+
+inline at::Tensor empty_output(
+    at::IntArrayRef sizes, const at::TensorOptions& options,
+    FirstWrites first_writes = FirstWrites::kAnywhere) {
   at::Tensor t = at::empty(sizes, options);
   const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
   if (bytes < kHugePageMinBytes) return t;
@@ -85,7 +96,10 @@ inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& o
   const uintptr_t last = end & ~(kHugePage - 1);
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
 #endif
-  if (at::get_num_threads() > 1 && !at::in_parallel_region()) map_pages(begin, end);
+  if (first_writes == FirstWrites::kAnywhere && at::get_num_threads() > 1 &&
+      !at::in_parallel_region()) {
+    map_pages(begin, end);
+  }
   return t;
 }
 

@@ -632,8 +632,9 @@ at::Tensor roi_align_backward_cpu(
     return at::zeros({batch_size, channels, height, width}, grad.options());
   }
   // every element is written by the kernel (its task zeroes its planes first)
-  at::Tensor grad_input =
-      cpu::empty_output({batch_size, channels, height, width}, grad.options().dtype(acc_dtype));
+  at::Tensor grad_input = cpu::empty_output(
+      {batch_size, channels, height, width}, grad.options().dtype(acc_dtype),
+      cpu::FirstWrites::kOwnRanges);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), kBackwardOp, [&] {
     backward_typed<scalar_t>(
         grad, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,

@@ -498,8 +498,9 @@ at::Tensor roi_pool_backward_cpu(
   }
   const at::Tensor rois = rois_in.contiguous();
   const at::Tensor argmax = argmax_in.contiguous();
-  at::Tensor grad_input =
-      cpu::empty_output({batch_size, channels, height, width}, grad.options());
+  // every element is written by the kernel, each task zeroing its planes first
+  at::Tensor grad_input = cpu::empty_output(
+      {batch_size, channels, height, width}, grad.options(), cpu::FirstWrites::kOwnRanges);
   bool argmax_ok = true;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, grad.scalar_type(), "detops.roi_pool_backward", [&] {

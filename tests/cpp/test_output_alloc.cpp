@@ -1,5 +1,6 @@
 // cpu::map_pages and cpu::empty_output (csrc/cpu/output_alloc.h): before a threaded kernel
-// writes a large output, every page of it is mapped, and no page outside it is touched.
+// writes a large output all over, every page of it is mapped, and no page outside it is
+// touched; an output whose tasks write ranges of their own is left to them.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -103,6 +104,28 @@ TEST(EmptyOutput, ALargeOutputIsMappedBeforeAThreadedKernel) {
   std::vector<unsigned char> v((end - lo + kPage - 1) / kPage);
   ASSERT_EQ(mincore(reinterpret_cast<void*>(lo), end - lo, v.data()), 0);
   for (size_t i = 0; i < v.size(); ++i) ASSERT_TRUE(v[i] & 1) << "page " << i << " of " << v.size();
+#else
+  GTEST_SKIP() << "mincore is Linux's";
+#endif
+}
+
+TEST(EmptyOutput, AnOutputWrittenByTasksInRangesOfTheirOwnIsLeftToThem) {
+#if defined(__linux__)
+  ThreadCount count(3);
+  // 40 MiB, past the 32 MiB from which glibc always maps an allocation anew (a smaller one may
+  // reuse memory a test before wrote)
+  const at::Tensor t = detops::cpu::empty_output(
+      {10, 1 << 20}, at::TensorOptions().dtype(at::kFloat), detops::cpu::FirstWrites::kOwnRanges);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t end = begin + static_cast<uintptr_t>(t.numel()) * sizeof(float);
+  // the 2 MiB pages inside the buffer: none mapped (the allocator may have written the first
+  // 4 KiB page, outside them)
+  const uintptr_t lo = (begin + detops::cpu::kHugePage - 1) & ~(detops::cpu::kHugePage - 1);
+  const uintptr_t hi = end & ~(detops::cpu::kHugePage - 1);
+  ASSERT_LT(lo, hi);
+  std::vector<unsigned char> v((hi - lo) / kPage);
+  ASSERT_EQ(mincore(reinterpret_cast<void*>(lo), hi - lo, v.data()), 0);
+  for (size_t i = 0; i < v.size(); ++i) ASSERT_FALSE(v[i] & 1) << "page " << i << " of " << v.size();
 #else
   GTEST_SKIP() << "mincore is Linux's";
 #endif
