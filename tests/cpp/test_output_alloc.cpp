@@ -15,18 +15,11 @@
 #endif
 
 #include "cpu/output_alloc.h"
+#include "thread_count.h"
 
 namespace {
 
-// at::set_num_threads for one test, restored after it.
-class ThreadCount {
- public:
-  explicit ThreadCount(int n) : saved_(at::get_num_threads()) { at::set_num_threads(n); }
-  ~ThreadCount() { at::set_num_threads(saved_); }
-
- private:
-  int saved_;
-};
+using detops_test::ThreadCount;
 
 #if defined(__linux__)
 constexpr uintptr_t kPage = 4096;

@@ -18,18 +18,11 @@
 #include <thread>
 
 #include "cpu/work_shares.h"
+#include "thread_count.h"
 
 namespace {
 
-// at::set_num_threads for one test, restored after it.
-class ThreadCount {
- public:
-  explicit ThreadCount(int n) : saved_(at::get_num_threads()) { at::set_num_threads(n); }
-  ~ThreadCount() { at::set_num_threads(saved_); }
-
- private:
-  int saved_;
-};
+using detops_test::ThreadCount;
 
 // Whether at::parallel_for runs on several threads here (this executable built with OpenMP).
 bool parallel_for_uses_threads() {
