@@ -312,14 +312,13 @@ void roi_pool_forward_typed(
   cpu::PerThread<ForwardScratch> scratch;
   cpu::parallel_shares(items, kForwardChunk, [&](int64_t i0, int64_t i1) {
     std::optional<ForwardScratch> own;
-    ForwardScratch* sp = scratch.get(make_scratch);
-    if (sp == nullptr) sp = &own.emplace(make_scratch());
-    std::vector<float>& col_max = sp->col_max;
-    std::vector<float>& res = sp->res;
-    std::vector<int32_t>& col_idx = sp->col_idx;
-    std::vector<int32_t>& res_idx = sp->res_idx;
-    RoiWindows& win = sp->win;
-    int64_t& win_roi = sp->win_roi;  // the RoI whose windows `win` holds
+    ForwardScratch& sp = scratch.get_or_own(own, make_scratch);
+    std::vector<float>& col_max = sp.col_max;
+    std::vector<float>& res = sp.res;
+    std::vector<int32_t>& col_idx = sp.col_idx;
+    std::vector<int32_t>& res_idx = sp.res_idx;
+    RoiWindows& win = sp.win;
+    int64_t& win_roi = sp.win_roi;  // the RoI whose windows `win` holds
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t k = block_fastest ? item / blocks : item % num_rois;
       const int64_t c0 = (block_fastest ? item % blocks : item / num_rois) * kChannelBlock;
@@ -438,8 +437,7 @@ bool roi_pool_backward_typed(
   cpu::PerThread<std::vector<acc_t>> buffers;
   cpu::parallel_shares(chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::optional<std::vector<acc_t>> own;
-    std::vector<acc_t>* buffer = buffers.get(make_buffer);
-    if (buffer == nullptr) buffer = &own.emplace(make_buffer());
+    std::vector<acc_t>& buffer = buffers.get_or_own(own, make_buffer);
     bool task_bad = false;
     for (int64_t p = bounds[chunk_begin]; p < bounds[chunk_end]; ++p) {
       const int64_t b = p / channels, c = p % channels;
@@ -452,7 +450,7 @@ bool roi_pool_backward_typed(
       if constexpr (kDirect) {
         acc = dst;
       } else {
-        acc = buffer->data();
+        acc = buffer.data();
       }
       std::fill(acc, acc + plane_size, acc_t(0));
       for (int64_t q = first[b]; q < first[b + 1]; ++q) {

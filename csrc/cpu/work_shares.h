@@ -92,9 +92,9 @@ void parallel_shares(int64_t n, int64_t chunk, const F& fn) {
 
 // One T per thread of a parallel_shares call, made by the first range that thread runs: the
 // buffers of a kernel whose chunks last a few microseconds, too short to allocate and free
-// buffers of their own each time. Construct it before the call, on the calling thread. get() returns nullptr on a thread whose number is
-// past the slots (fn running on the calling thread inside another parallel region), where
-// fn uses a T of its own instead.
+// buffers of their own each time. Construct it before the call, on the calling thread. get()
+// returns nullptr on a thread whose number is past the slots (fn running on the calling thread
+// inside another parallel region); get_or_own() then makes the range's T in `own` instead.
 template <typename T>
 class PerThread {
  public:
@@ -107,6 +107,12 @@ class PerThread {
     std::optional<T>& slot = slots_[t];
     if (!slot) slot.emplace(make());
     return &*slot;
+  }
+
+  template <typename Make>
+  T& get_or_own(std::optional<T>& own, const Make& make) {
+    T* mine = get(make);
+    return mine != nullptr ? *mine : own.emplace(make());
   }
 
  private:
