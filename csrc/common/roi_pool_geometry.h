@@ -109,19 +109,23 @@ DETOPS_HOST_DEVICE_INLINE RoiPoolBox<T> roi_pool_box_at(
       static_cast<T>(r[4]), scale, batch_size, pooled_height, pooled_width);
 }
 
+// Pixel range [lo, hi) of bin i along one axis: the RoI starts at `start` and its bins are
+// `bin` pixels long; the axis has `size` pixels.
+template <typename T>
+DETOPS_HOST_DEVICE_INLINE void roi_pool_bin_range(
+    int64_t start, T bin, int64_t i, int64_t size, int64_t& lo, int64_t& hi) {
+  lo = clamp_i64(static_cast<int64_t>(floor_of(static_cast<T>(i) * bin)) + start, 0, size);
+  hi = clamp_i64(static_cast<int64_t>(ceil_of(static_cast<T>(i + 1) * bin)) + start, 0, size);
+}
+
 // Pixel window [h0, h1) x [w0, w1) of bin (ph, pw) on an H x W map; false when it is empty.
+// Rows depend on ph alone and columns on pw alone (roi_pool_bin_range).
 template <typename T>
 DETOPS_HOST_DEVICE_INLINE bool roi_pool_bin(
     const RoiPoolBox<T>& box, int64_t ph, int64_t pw, int64_t height, int64_t width,
     int64_t& h0, int64_t& h1, int64_t& w0, int64_t& w1) {
-  h0 = static_cast<int64_t>(floor_of(static_cast<T>(ph) * box.bin_h));
-  h1 = static_cast<int64_t>(ceil_of(static_cast<T>(ph + 1) * box.bin_h));
-  w0 = static_cast<int64_t>(floor_of(static_cast<T>(pw) * box.bin_w));
-  w1 = static_cast<int64_t>(ceil_of(static_cast<T>(pw + 1) * box.bin_w));
-  h0 = clamp_i64(h0 + box.start_h, 0, height);
-  h1 = clamp_i64(h1 + box.start_h, 0, height);
-  w0 = clamp_i64(w0 + box.start_w, 0, width);
-  w1 = clamp_i64(w1 + box.start_w, 0, width);
+  roi_pool_bin_range(box.start_h, box.bin_h, ph, height, h0, h1);
+  roi_pool_bin_range(box.start_w, box.bin_w, pw, width, w0, w1);
   return box.batch >= 0 && h1 > h0 && w1 > w0;
 }
 

@@ -43,8 +43,6 @@ namespace detops {
 namespace ops {
 namespace {
 
-using geometry::roi_pool_bin;
-
 // Rejects a RoI whose batch index is not an integer in [0, batch_size); returns the indices.
 template <typename scalar_t>
 std::vector<int64_t> batch_indices(const char* op, const at::Tensor& rois, int64_t batch_size) {
@@ -96,19 +94,24 @@ struct RoiWindows {
   void set(const geometry::RoiPoolBox<T>& box, int64_t height, int64_t width) {
     const int64_t ph_n = static_cast<int64_t>(rows.size()) / 2;
     const int64_t pw_n = static_cast<int64_t>(cols.size()) / 2;
+    bool any_row = false;
+    for (int64_t ph = 0; ph < ph_n; ++ph) {
+      int64_t& h0 = rows[2 * ph];
+      int64_t& h1 = rows[2 * ph + 1];
+      geometry::roi_pool_bin_range(box.start_h, box.bin_h, ph, height, h0, h1);
+      any_row = any_row || h1 > h0;
+    }
+    // A bin is non-empty where its row range and its column range both are (roi_pool_bin).
     first_col = width;
     last_col = 0;
-    for (int64_t ph = 0; ph < ph_n; ++ph) {
-      for (int64_t pw = 0; pw < pw_n; ++pw) {
-        int64_t h0, h1, w0, w1;
-        if (roi_pool_bin(box, ph, pw, height, width, h0, h1, w0, w1)) {
-          first_col = std::min(first_col, w0);
-          last_col = std::max(last_col, w1);
-        }
-        rows[2 * ph] = h0;
-        rows[2 * ph + 1] = h1;
-        cols[2 * pw] = w0;
-        cols[2 * pw + 1] = w1;
+    const bool any_bin = box.batch >= 0 && any_row;
+    for (int64_t pw = 0; pw < pw_n; ++pw) {
+      int64_t& w0 = cols[2 * pw];
+      int64_t& w1 = cols[2 * pw + 1];
+      geometry::roi_pool_bin_range(box.start_w, box.bin_w, pw, width, w0, w1);
+      if (any_bin && w1 > w0) {
+        first_col = std::min(first_col, w0);
+        last_col = std::max(last_col, w1);
       }
     }
   }
