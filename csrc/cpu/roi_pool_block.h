@@ -6,7 +6,7 @@
 //
 // No include guard: roi_pool.cpp includes this file once per instruction set, each time inside
 // its own namespace that defines
-//   Lanes               a lane type of roi_pool_lanes.h (Sse2Lanes, Avx2Lanes)
+//   Lanes               a lane type of roi_pool_lanes.h (Sse2Lanes, Avx2Lanes, Avx512Lanes)
 //   DETOPS_LANES_FN     attributes of the functions below (the target of Lanes' instructions)
 // after kChannelBlock (8) and RoiWindows.
 
@@ -24,19 +24,21 @@ DETOPS_LANES_FN inline void column_max_rows(
   using I = Lanes::I;
   const F lowest = Lanes::fill(geometry::roi_pool_lowest<float>());
   const I none = Lanes::fill(int32_t{-1});
+  const I step = Lanes::fill(static_cast<int32_t>(width));  // from one row's indices to the next's
   for (int64_t w = c0; w < c1;) {
     const int64_t g = std::min(w, width - 4);
     const I cols = Lanes::add(Lanes::fill(static_cast<int32_t>(g)), Lanes::iota4());
     F m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
     I r0 = none, r1 = none, r2 = none, r3 = none;
     const float* p = first_plane + h0 * s_h + g;
+    I idx = Lanes::add(Lanes::fill(static_cast<int32_t>(h0 * width)), cols);  // row h's indices
     for (int64_t h = h0; h < h1; ++h, p += s_h) {
       if constexpr (kIndex) {
-        const I idx = Lanes::add(Lanes::fill(static_cast<int32_t>(h * width)), cols);
         Lanes::keep_greater(Lanes::load_halves(p, p + 4 * s_c), idx, m0, r0);
         Lanes::keep_greater(Lanes::load_halves(p + s_c, p + 5 * s_c), idx, m1, r1);
         Lanes::keep_greater(Lanes::load_halves(p + 2 * s_c, p + 6 * s_c), idx, m2, r2);
         Lanes::keep_greater(Lanes::load_halves(p + 3 * s_c, p + 7 * s_c), idx, m3, r3);
+        idx = Lanes::add(idx, step);
       } else {
         Lanes::keep_greater(Lanes::load_halves(p, p + 4 * s_c), m0);
         Lanes::keep_greater(Lanes::load_halves(p + s_c, p + 5 * s_c), m1);
@@ -71,17 +73,21 @@ DETOPS_LANES_FN inline void column_max_channels(
   using I = Lanes::I;
   const F lowest = Lanes::fill(geometry::roi_pool_lowest<float>());
   const I none = Lanes::fill(int32_t{-1});
+  const I step = Lanes::fill(static_cast<int32_t>(width));
   for (int64_t w = c0; w < c1; w += 2) {
     const int64_t w2 = std::min(w + 1, c1 - 1);  // an odd last column is done twice
     F m = lowest, m2 = lowest;
     I r = none, r2 = none;
     const float* p = first_plane + h0 * s_h + w * s_w;
     const float* p2 = first_plane + h0 * s_h + w2 * s_w;
+    I idx = Lanes::fill(static_cast<int32_t>(h0 * width + w));  // row h's index of each column
+    I idx2 = Lanes::fill(static_cast<int32_t>(h0 * width + w2));
     for (int64_t h = h0; h < h1; ++h, p += s_h, p2 += s_h) {
       if constexpr (kIndex) {
-        Lanes::keep_greater(Lanes::load(p), Lanes::fill(static_cast<int32_t>(h * width + w)), m, r);
-        Lanes::keep_greater(
-            Lanes::load(p2), Lanes::fill(static_cast<int32_t>(h * width + w2)), m2, r2);
+        Lanes::keep_greater(Lanes::load(p), idx, m, r);
+        Lanes::keep_greater(Lanes::load(p2), idx2, m2, r2);
+        idx = Lanes::add(idx, step);
+        idx2 = Lanes::add(idx2, step);
       } else {
         Lanes::keep_greater(Lanes::load(p), m);
         Lanes::keep_greater(Lanes::load(p2), m2);
