@@ -259,9 +259,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "choose the CUDA roi_align / roi_pool kernels for NCHW input ('auto', 'band', 'gather'); "
       "returns the previous choice");
   def_choice<detops::ops::CpuVector>(
-      m, "_set_cpu_vector", "choice", {"auto", "sse2", "scalar"}, &detops::ops::set_cpu_vector,
-      "choose the instructions of the CPU roi_pool forward ('auto', 'sse2', 'scalar'); returns "
-      "the previous choice");
+      m, "_set_cpu_vector", "choice", {"auto", "sse2", "scalar", "avx2", "avx512"},
+      &detops::ops::set_cpu_vector,
+      "choose the instructions of the CPU roi_pool forward ('auto', 'sse2', 'scalar', 'avx2', "
+      "'avx512'); returns the previous choice");
   m.def("torch_version", []() { return std::string(DETOPS_TORCH_VERSION); },
         "the torch version this extension was built against");
 }

@@ -277,7 +277,7 @@ def test_roi_pool_skips_argmax_without_gradient():
     assert torch.equal(xv.grad, xg.grad)
 
 
-CPU_VECTORS = ["auto", "sse2", "scalar"]
+CPU_VECTORS = ["auto", "avx512", "avx2", "sse2", "scalar"]
 
 
 def tie_input(shape, seed, nan=0.1):
@@ -322,10 +322,10 @@ def _cpu_vector_results(x, rois, size, scale):
 @pytest.mark.parametrize("channels", [8, 13, 19])
 @pytest.mark.parametrize("width", [1, 3, 4, 5, 9, 23])
 def test_cpu_vector_paths_ties_nan_and_widths(channels, width):
-    """The float32 vector paths (AVX2 where the CPU has it, SSE2) and the scalar path give
-    torchvision's value bits and argmax, NCHW and channels_last, on bin widths 1..17 at every
-    column offset, maps narrower than a vector, partial channel blocks, ties, -0 / +0, NaN,
-    -inf and -FLT_MAX in every lane."""
+    """The float32 vector paths (AVX2 with and without AVX-512VL's masks where the CPU has
+    them, SSE2) and the scalar path give torchvision's value bits and argmax, NCHW and
+    channels_last, on bin widths 1..17 at every column offset, maps narrower than a vector,
+    partial channel blocks, ties, -0 / +0, NaN, -inf and -FLT_MAX in every lane."""
     x = tie_input((2, channels, 7, width), seed=10 + width)
     x[:, :, :2, :2] = float("nan")  # bins that only hold NaN
     rois = strip_rois(2, 7, width, seed=channels)
@@ -361,12 +361,16 @@ def test_cpu_vector_paths_random_rois_and_threads(channels_last):
 def test_cpu_vector_choice():
     from detops.ops._utils import cpu_vector
 
-    with pytest.raises(RuntimeError, match="'auto', 'sse2' or 'scalar'"):
-        with cpu_vector("avx512"):
+    with pytest.raises(RuntimeError, match="'auto', 'sse2', 'scalar', 'avx2' or 'avx512'"):
+        with cpu_vector("avx512vl"):
             pass
     with cpu_vector("scalar"):
         with cpu_vector("sse2"):
             assert detops._C._set_cpu_vector("sse2") == "sse2"
+            with cpu_vector("avx512"):
+                with cpu_vector("avx2"):
+                    assert detops._C._set_cpu_vector("avx2") == "avx2"
+                assert detops._C._set_cpu_vector("avx512") == "avx512"
         assert detops._C._set_cpu_vector("scalar") == "scalar"
     assert detops._C._set_cpu_vector("auto") == "auto"
 

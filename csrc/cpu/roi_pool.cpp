@@ -7,7 +7,8 @@
 // copy. Every path gives geometry::roi_pool_max's value bits and index (row-major order, the
 // first maximum wins, NaN never does):
 //   * float32 with contiguous rows (NCHW) or contiguous channels (channels_last) and at least
-//     8 channels: the vector path (roi_pool_block.h), AVX2 where the CPU has it, else SSE2;
+//     8 channels: the vector path (roi_pool_block.h), AVX2 where the CPU has it (with
+//     AVX-512VL's masks on Intel CPUs that have them), else SSE2;
 //     the block's channels are the vector lanes, and each bin row's column maxima are found
 //     once for all the bins of that row (see "two steps" below);
 //   * any other input: a scalar scan per channel and bin (window_max).
@@ -250,20 +251,35 @@ using Lanes = cpu::Avx2Lanes;
 #include "roi_pool_block.h"
 #undef DETOPS_LANES_FN
 }  // namespace avx2
+namespace avx512 {
+using Lanes = cpu::Avx512Lanes;
+#define DETOPS_LANES_FN DETOPS_AVX512_FN
+#include "roi_pool_block.h"
+#undef DETOPS_LANES_FN
+}  // namespace avx512
 #endif
 
-enum class ForwardPath { kScalar, kSse2, kAvx2 };
+enum class ForwardPath { kScalar, kSse2, kAvx2, kAvx512 };
 
-// The path of a float32 input that the vector path takes, by cpu_vector() and this CPU.
+// The path of a float32 input that the vector path takes, by cpu_vector() and this CPU. With
+// the default choice, Avx512Lanes on Intel CPUs with AVX-512VL and Avx2Lanes on others: on an
+// H200 host's Intel Xeon the masks took the forward with argmax 10-15% faster, on an AMD EPYC
+// 13% slower (BENCHMARKS.md, "CPU roi_pool forward: bin windows per axis, the argmax under
+// AVX-512VL masks").
 ForwardPath vector_forward_path() {
   const CpuVector choice = cpu_vector();
+  if (choice == CpuVector::kScalar) return ForwardPath::kScalar;
 #ifdef DETOPS_CPU_AVX2
-  if (choice == CpuVector::kAuto && cpu::cpu_has_avx2()) return ForwardPath::kAvx2;
+  const bool masks =
+      choice == CpuVector::kAvx512 || (choice == CpuVector::kAuto && cpu::cpu_is_intel());
+  if (masks && cpu::cpu_has_avx512vl()) return ForwardPath::kAvx512;
+  if (choice != CpuVector::kSse2 && cpu::cpu_has_avx2()) return ForwardPath::kAvx2;
 #endif
 #ifdef DETOPS_CPU_SSE2
-  if (choice != CpuVector::kScalar) return ForwardPath::kSse2;
-#endif
+  return ForwardPath::kSse2;
+#else
   return ForwardPath::kScalar;
+#endif
 }
 
 template <typename scalar_t>
@@ -348,6 +364,9 @@ void roi_pool_forward_typed(
                 col_max.data(), col_idx.data(), res.data(), res_idx.data());
           };
 #ifdef DETOPS_CPU_AVX2
+          if (path == ForwardPath::kAvx512) {
+            block(a ? avx512::pool_block<true> : avx512::pool_block<false>);
+          }
           if (path == ForwardPath::kAvx2) block(a ? avx2::pool_block<true> : avx2::pool_block<false>);
 #endif
 #ifdef DETOPS_CPU_SSE2

@@ -1,7 +1,9 @@
 // Eight float32 / int32 lanes for the vector path of the CPU roi_pool forward
-// (roi_pool_block.h): Sse2Lanes, two SSE2 registers per vector, for every x86-64 CPU; and
-// Avx2Lanes, one AVX2 register, compiled with a per-function target attribute so that a
-// generic x86-64 build carries it and picks it at run time (cpu_has_avx2()).
+// (roi_pool_block.h): Sse2Lanes, two SSE2 registers per vector, for every x86-64 CPU;
+// Avx2Lanes, one AVX2 register; and Avx512Lanes, Avx2Lanes whose index steps use AVX-512VL's
+// mask registers. The last two are compiled with per-function target attributes, so that a
+// generic x86-64 build carries them and picks one at run time (cpu_has_avx2(),
+// cpu_has_avx512vl()).
 //
 // A vector holds one value per channel of a block of 8; load_halves and transpose4 also view
 // it as two halves of 4 lanes. All comparisons are ordered: false when a lane holds NaN.
@@ -20,6 +22,10 @@
 // Functions that use AVX2 instructions; callers check cpu_has_avx2() first.
 #define DETOPS_AVX2_FN __attribute__((target("avx2")))
 #define DETOPS_AVX2_INLINE __attribute__((target("avx2"), always_inline)) inline
+// Functions that use AVX-512VL instructions on 256-bit vectors; callers check
+// cpu_has_avx512vl() first.
+#define DETOPS_AVX512_FN __attribute__((target("avx2,avx512f,avx512vl")))
+#define DETOPS_AVX512_INLINE __attribute__((target("avx2,avx512f,avx512vl"), always_inline)) inline
 #endif
 
 namespace detops {
@@ -211,6 +217,37 @@ struct Avx2Lanes {
     b = _mm256_castps_si256(fb);
     c = _mm256_castps_si256(fc);
     d = _mm256_castps_si256(fd);
+  }
+};
+
+// AVX-512F and AVX-512VL, with the OS saving their registers (__builtin_cpu_supports checks).
+inline bool cpu_has_avx512vl() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+inline bool cpu_is_intel() {
+  static const bool is = __builtin_cpu_is("intel");
+  return is;
+}
+
+// Avx2Lanes whose index-tracking steps compare into a mask register and move the index under
+// it, where Avx2Lanes compares into a vector and selects by VBLENDVPS. Same results: the masks
+// are the same comparisons.
+struct Avx512Lanes : Avx2Lanes {
+  using Avx2Lanes::keep_greater;
+
+  DETOPS_AVX512_INLINE static void keep_greater(F v, I idx, F& m, I& r) {  // as Sse2Lanes'
+    const __mmask8 greater = _mm256_cmp_ps_mask(v, m, _CMP_GT_OQ);
+    m = _mm256_max_ps(v, m);
+    r = _mm256_mask_mov_epi32(r, greater, idx);
+  }
+  DETOPS_AVX512_INLINE static void keep_first_max(F v, I i, F& best, I& bi) {  // as Avx2Lanes'
+    const __mmask8 equal = _mm256_cmp_ps_mask(v, best, _CMP_EQ_OQ);
+    const __mmask8 take =
+        _mm256_cmp_ps_mask(v, best, _CMP_GT_OQ) | _mm256_mask_cmpgt_epi32_mask(equal, bi, i);
+    best = _mm256_mask_mov_ps(best, take, v);
+    bi = _mm256_mask_mov_epi32(bi, take, i);
   }
 };
 #endif  // DETOPS_CPU_AVX2
