@@ -262,10 +262,10 @@ using Lanes = cpu::Avx512Lanes;
 enum class ForwardPath { kScalar, kSse2, kAvx2, kAvx512 };
 
 // The path of a float32 input that the vector path takes, by cpu_vector() and this CPU. With
-// the default choice, Avx512Lanes on Intel CPUs with AVX-512VL and Avx2Lanes on others: on an
-// H200 host's Intel Xeon the masks took the forward with argmax 10-15% faster, on an AMD EPYC
-// 13% slower (BENCHMARKS.md, "CPU roi_pool forward: bin windows per axis, the argmax under
-// AVX-512VL masks").
+// the default choice, Avx512Lanes on Intel CPUs with AVX-512VL and Avx2Lanes on others: with
+// the masks the forward with argmax took 11-17% less time on H200 hosts' Intel Xeons and 13%
+// more on an AMD EPYC (BENCHMARKS.md, "CPU roi_pool forward: bin windows per axis, the argmax
+// under AVX-512VL masks").
 ForwardPath vector_forward_path() {
   const CpuVector choice = cpu_vector();
   if (choice == CpuVector::kScalar) return ForwardPath::kScalar;
