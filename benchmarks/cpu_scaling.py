@@ -7,6 +7,7 @@
     python -m benchmarks.cpu_scaling --cores 3 --cases fwd,ref   # one thread on each core in turn
     python -m benchmarks.cpu_scaling --pairs --seconds 0.25      # which cores slow each other
     python -m benchmarks.cpu_scaling --versus 16 --seconds 0.3   # threads against processes
+    python -m benchmarks.cpu_scaling --vectors avx2,auto --threads 1,16 --rounds 4  # roi_pool lanes
 
 The first form times detops' CPU roi_align / roi_pool on the small map of `bench_roi`
 (2x64x100x152, 256 RoIs) and on the CUDA cases' map (2x256x200x304, 1024 RoIs), 7x7 bins,
@@ -30,7 +31,11 @@ threads of one physical core slow each other down, and the guest's CPU listing m
 which they are. The --versus form alternates, in rounds of three adjacent windows, N pinned
 one-thread processes, the threaded call at N threads and the call at one thread, for each of
 --cases (default fwd,ref): the threaded call's throughput over the processes', measured a
-second apart, is how much of what the machine gives independent work the call gets.
+second apart, is how much of what the machine gives independent work the call gets. The
+--vectors form times the roi_pool forwards (values alone and with argmax, NCHW and
+channels_last; the small map, or the large one with --large) under each named `cpu_vector`
+choice in turn, in rounds within one process, at each of --threads, and checks that every
+choice gives the first one's bits.
 """
 from __future__ import annotations
 
@@ -306,6 +311,62 @@ def pairs(case: str, seconds: float) -> None:
         print(f"{case} mutual most-slowing pairs: " + (" ".join(f"{i}+{j}:x{score[i, j]:.2f}" for i, j in mutual) or "none"), flush=True)
 
 
+def roi_pool_forwards(large: bool) -> List[Tuple[str, Callable[[], object]]]:
+    """The roi_pool forwards that --vectors times, on the small map (2x64x100x152, 256 RoIs) or
+    the large one (2x256x200x304, 1024 RoIs), 7x7: values alone and with argmax, NCHW and
+    channels_last."""
+    shape = (2, 256, 200, 304, 1024) if large else (2, 64, 100, 152, 256)
+    x, rois = _inputs("cpu", torch.float32, *shape)
+    xcl = x.contiguous(memory_format=torch.channels_last)
+    values, with_argmax = torch.ops.detops._roi_pool_values, torch.ops.detops.roi_pool
+    return [
+        ("values", lambda: values(x, rois, 0.25, 7, 7)),
+        ("argmax", lambda: with_argmax(x, rois, 0.25, 7, 7)),
+        ("values_cl", lambda: values(xcl, rois, 0.25, 7, 7)),
+        ("argmax_cl", lambda: with_argmax(xcl, rois, 0.25, 7, 7)),
+    ]
+
+
+def vectors(choices: List[str], threads: int, rounds: int, calls: int, large: bool = False) -> dict:
+    """The roi_pool forwards under each `cpu_vector` choice: per round, each choice in turn,
+    and under it `calls` rounds of one call of each forward, interleaved. Prints and returns
+    the median (ms) per (forward, choice). Every choice's outputs must have the first's bits."""
+    from detops.ops._utils import cpu_vector
+
+    forwards = roi_pool_forwards(large)
+    times = {(name, c): [] for name, _ in forwards for c in choices}
+    first = {}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(rounds):
+            for c in choices:
+                with cpu_vector(c):
+                    for i in range(calls):
+                        for name, fn in forwards:
+                            t0 = time.perf_counter()
+                            out = fn()
+                            times[(name, c)].append((time.perf_counter() - t0) * 1e3)
+                            if i:
+                                continue
+                            bits = [t.view(torch.int32) for t in (out if isinstance(out, tuple) else (out,))]
+                            want = first.setdefault(name, bits)
+                            if not all(torch.equal(a, b) for a, b in zip(bits, want)):
+                                raise SystemExit(
+                                    f"cpu_scaling: {name} under cpu_vector('{c}') differs from '{choices[0]}'"
+                                )
+    finally:
+        torch.set_num_threads(previous)
+    med = {key: statistics.median(v) for key, v in times.items()}
+    shape = "large" if large else "small"
+    print(f"roi_pool forwards, {shape} map, {threads} threads: " + " | ".join(
+        f"{c}: " + " ".join(f"{name} {med[(name, c)]:.3f}" for name, _ in forwards)
+        + f" (argmax / values {med[('argmax', c)] / med[('values', c)]:.2f},"
+        f" channels_last {med[('argmax_cl', c)] / med[('values_cl', c)]:.2f})"
+        for c in choices), flush=True)
+    return med
+
+
 def window_ms(fn: Callable[[], object], seconds: float) -> float:
     """The median per call, in ms, of fn run back to back for `seconds` (at least 3 calls)."""
     times: List[float] = []
@@ -384,9 +445,14 @@ if __name__ == "__main__":
     p.add_argument("--versus", type=int, metavar="N", help="rounds of N processes, N threads and one thread, adjacent")
     p.add_argument("--op", choices=["roi_align", "sin", "digamma"], default="roi_align", help="what --processes runs")
     p.add_argument("--seconds", type=float, default=4.0, help="window of --processes, --pairs and --versus")
+    p.add_argument("--vectors", help="cpu_vector choices to time the roi_pool forwards under, e.g. avx2,auto")
+    p.add_argument("--large", action="store_true", help="--vectors on the large map")
     a = p.parse_args()
     names = a.cases.split(",") if a.cases else None
-    if a.cores:
+    if a.vectors:
+        for n in [int(v) for v in a.threads.split(",")]:
+            vectors(a.vectors.split(","), n, a.rounds, a.runs or 15, a.large)
+    elif a.cores:
         time_cores(a.tag, names, a.cores)
     elif a.versus:
         versus(names or ["fwd", "ref"], a.versus, a.rounds, a.seconds)

@@ -178,3 +178,36 @@ def test_cpu_scaling_pinned_workers_pin_run_cases_and_close():
             assert set(ms) == {core} and ms[core] > 0
         procs = list(workers.workers.values())
     assert all(p.returncode == 0 for p in procs)
+
+
+def test_cpu_scaling_vectors_times_each_choice_and_restores_threads(capsys):
+    from benchmarks import cpu_scaling
+    from detops import _C
+
+    threads = torch.get_num_threads()
+    med = cpu_scaling.vectors(["avx2", "sse2", "scalar"], 1, 1, 1)
+    assert torch.get_num_threads() == threads
+    assert _C._set_cpu_vector("auto") == "auto"  # each choice was undone
+    forwards = ("values", "argmax", "values_cl", "argmax_cl")
+    assert set(med) == {(f, c) for f in forwards for c in ("avx2", "sse2", "scalar")}
+    assert all(v > 0 for v in med.values())
+    out = capsys.readouterr().out
+    assert "roi_pool forwards, small map, 1 threads: avx2: values" in out and "scalar: values" in out
+
+
+
+def test_cpu_scaling_vectors_stops_where_choices_disagree(monkeypatch):
+    from benchmarks import cpu_scaling
+    from detops import _C
+
+    def probe():  # the name of the current choice, as a length
+        current = _C._set_cpu_vector("auto")
+        _C._set_cpu_vector(current)
+        return torch.tensor([float(len(current))])
+
+    forwards = [(name, probe) for name in ("values", "argmax", "values_cl", "argmax_cl")]
+    monkeypatch.setattr(cpu_scaling, "roi_pool_forwards", lambda large: forwards)
+    cpu_scaling.vectors(["avx2", "sse2"], 1, 1, 2)  # equal lengths: the same "bits"
+    with pytest.raises(SystemExit, match="values under cpu_vector\\('scalar'\\) differs from 'avx2'"):
+        cpu_scaling.vectors(["avx2", "scalar"], 1, 1, 2)
+    assert _C._set_cpu_vector("auto") == "auto"
