@@ -319,7 +319,7 @@ def _cpu_vector_results(x, rois, size, scale):
     return results
 
 
-@pytest.mark.parametrize("channels", [8, 13, 19])
+@pytest.mark.parametrize("channels", [8, 13, 19, 37])
 @pytest.mark.parametrize("width", [1, 3, 4, 5, 9, 23])
 def test_cpu_vector_paths_ties_nan_and_widths(channels, width):
     """The float32 vector paths (AVX2 with and without AVX-512VL's masks where the CPU has

@@ -309,21 +309,27 @@ void roi_pool_forward_typed(
 
   // Items run RoI fastest (item = block * K + RoI): a thread's range of items holds RoIs of
   // all sizes, so equal ranges are about equal work, and it reads few channel planes. With
-  // channels inner (channels_last) they run block fastest (item = RoI * blocks + block)
+  // channels inner (channels_last) they run block fastest (item = RoI * groups + group)
   // instead: a block reads 32 bytes of each pixel, so the blocks of one RoI, one after the
   // other, find its pixels' other channels in cache (BENCHMARKS.md, "CPU roi_pool forward
-  // without argmax: no index tracked"). Equal shares, a chunk at a time; threads done early
+  // without argmax: no index tracked"); and the vector path's item there is a group of 2 or
+  // 4 adjacent blocks, which read whole 64-byte lines (BENCHMARKS.md, "CPU roi_pool forward,
+  // channels_last: whole lines an item"). Equal shares, a chunk at a time; threads done early
   // help the others. A chunk is one item of a few microseconds, so the threads end within
   // about an item of each other, also where one core runs at half the speed of the others
   // (with 8 items a chunk, a 16-thread call on the small map ended its threads 69-78 us
   // apart, with one 9-11 us: BENCHMARKS.md, "roi_pool forward+backward: the threads' last
   // chunks"). A thread's buffers live across its chunks, so a chunk allocates nothing.
   const int64_t num_rois = rois.size(0);
-  const int64_t items = num_rois * blocks;
   const bool block_fastest = s_c == 1 && channels > 1;
-  // vector path: the column maxima of one bin row and the results of one block, channel
-  // minor (kChannelBlock entries per column / bin)
-  const int64_t lanes = vector_path ? kChannelBlock : 0;
+  // blocks an item: with channels inner, the vector path reads 2 adjacent blocks at a time
+  // with argmax, 4 without (pool_block's nblocks), where the channels hold them
+  const int64_t per_item = vector_path && !vector_rows && s_c == 1 ? (arg ? 2 : 4) : 1;
+  const int64_t groups = (blocks + per_item - 1) / per_item;  // items per RoI
+  const int64_t items = num_rois * groups;
+  // vector path: the column maxima of one bin row and the results of the item's blocks,
+  // channel minor (kChannelBlock entries per column / bin, per block)
+  const int64_t lanes = vector_path ? kChannelBlock * per_item : 0;
   const int64_t index_lanes = arg ? lanes : 0;  // the values alone track no index
   const auto make_scratch = [&] {
     return ForwardScratch(width, bins, lanes, index_lanes, pooled_height, pooled_width);
@@ -339,9 +345,10 @@ void roi_pool_forward_typed(
     RoiWindows& win = sp.win;
     int64_t& win_roi = sp.win_roi;  // the RoI whose windows `win` holds
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t k = block_fastest ? item / blocks : item % num_rois;
-      const int64_t c0 = (block_fastest ? item % blocks : item / num_rois) * kChannelBlock;
-      const int64_t nc = std::min(kChannelBlock, channels - c0);
+      const int64_t k = block_fastest ? item / groups : item % num_rois;
+      const int64_t group = block_fastest ? item % groups : item / num_rois;
+      const int64_t c0 = group * kChannelBlock * per_item;
+      const int64_t nc = std::min(kChannelBlock * per_item, channels - c0);
       const auto box = geometry::roi_pool_box_at(r, k, scale, batch, pooled_height, pooled_width);
       scalar_t* o = out + (k * channels + c0) * bins;
       int32_t* a = arg ? arg + (k * channels + c0) * bins : nullptr;
@@ -356,28 +363,44 @@ void roi_pool_forward_typed(
       }
       if constexpr (std::is_same<scalar_t, float>::value) {
         if (vector_path) {
-          const int64_t cb = std::min(c0, channels - kChannelBlock);  // block's first channel
-          const float* first = in + box.batch * s_b + cb * s_c;
-          auto block = [&](auto pool_block) {
-            pool_block(
-                first, s_c, s_h, s_w, width, vector_rows, win, pooled_height, pooled_width,
-                col_max.data(), col_idx.data(), res.data(), res_idx.data());
-          };
+          // channels [c0, c0 + nc): per_item adjacent blocks at once where the channels hold
+          // them, else a block at a time; a last block that would pass the channels is moved
+          // back to end on them
+          for (int64_t c = c0; c < c0 + nc;) {
+            const int64_t nblocks = c + per_item * kChannelBlock <= c0 + nc ? per_item : 1;
+            const int64_t cb = std::min(c, channels - kChannelBlock);  // the call's first channel
+            const float* first = in + box.batch * s_b + cb * s_c;
+            auto block = [&](auto pool_block) {
+              pool_block(
+                  first, s_c, s_h, s_w, width, vector_rows, nblocks, win, pooled_height,
+                  pooled_width, col_max.data(), col_idx.data(), res.data(), res_idx.data());
+            };
 #ifdef DETOPS_CPU_AVX2
-          if (path == ForwardPath::kAvx512) {
-            block(a ? avx512::pool_block<true> : avx512::pool_block<false>);
-          }
-          if (path == ForwardPath::kAvx2) block(a ? avx2::pool_block<true> : avx2::pool_block<false>);
+            if (path == ForwardPath::kAvx512) {
+              block(a ? avx512::pool_block<true> : avx512::pool_block<false>);
+            }
+            if (path == ForwardPath::kAvx2) {
+              block(a ? avx2::pool_block<true> : avx2::pool_block<false>);
+            }
 #endif
 #ifdef DETOPS_CPU_SSE2
-          if (path == ForwardPath::kSse2) block(a ? sse2::pool_block<true> : sse2::pool_block<false>);
-#endif
-          for (int64_t c = 0; c < nc; ++c) {
-            const int64_t l = c0 - cb + c;
-            for (int64_t j = 0; j < bins; ++j) {
-              o[c * bins + j] = res[j * kChannelBlock + l];
-              if (a) a[c * bins + j] = res_idx[j * kChannelBlock + l];
+            if (path == ForwardPath::kSse2) {
+              block(a ? sse2::pool_block<true> : sse2::pool_block<false>);
             }
+#endif
+            // channel ch is lane ch - cb of the call's results (each block's results follow
+            // the one's before, bins * kChannelBlock entries on)
+            const int64_t c_end = std::min(c + nblocks * kChannelBlock, c0 + nc);
+            for (int64_t ch = c; ch < c_end; ++ch) {
+              const int64_t l = ch - cb;
+              const int64_t base = (l / kChannelBlock) * bins * kChannelBlock + l % kChannelBlock;
+              const int64_t oc = (ch - c0) * bins;
+              for (int64_t j = 0; j < bins; ++j) {
+                o[oc + j] = res[base + j * kChannelBlock];
+                if (a) a[oc + j] = res_idx[base + j * kChannelBlock];
+              }
+            }
+            c = c_end;
           }
           continue;
         }

@@ -62,13 +62,16 @@ DETOPS_LANES_FN inline void column_max_rows(
   }
 }
 
-// Step 1 when channels are contiguous (s_c == 1, channels_last): a load is the block's 8
-// channels at one pixel; two columns at a time for independent chains. Without kIndex,
-// col_idx is not written.
-template <bool kIndex>
+// Step 1 when channels are contiguous (s_c == 1, channels_last): a load is a block's 8
+// channels at one pixel; two columns at a time for independent chains. With kBlocks 2 or 4,
+// the blocks at first_plane + 8, + 16, ... too (block b's column maxima at col_max + b *
+// col_step, its indices at col_idx + b * col_step): the blocks' loads of a pixel then read
+// whole 64-byte lines where the map is aligned, where one block would read half of each line
+// and leave the rest to another item. Without kIndex, col_idx is not written.
+template <bool kIndex, int kBlocks>
 DETOPS_LANES_FN inline void column_max_channels(
     const float* first_plane, int64_t s_h, int64_t s_w, int64_t width, int64_t h0, int64_t h1,
-    int64_t c0, int64_t c1, float* col_max, int32_t* col_idx) {
+    int64_t c0, int64_t c1, float* col_max, int32_t* col_idx, int64_t col_step) {
   using F = Lanes::F;
   using I = Lanes::I;
   const F lowest = Lanes::fill(geometry::roi_pool_lowest<float>());
@@ -76,28 +79,38 @@ DETOPS_LANES_FN inline void column_max_channels(
   const I step = Lanes::fill(static_cast<int32_t>(width));
   for (int64_t w = c0; w < c1; w += 2) {
     const int64_t w2 = std::min(w + 1, c1 - 1);  // an odd last column is done twice
-    F m = lowest, m2 = lowest;
-    I r = none, r2 = none;
+    F m[kBlocks], m2[kBlocks];
+    I r[kBlocks], r2[kBlocks];
+    for (int b = 0; b < kBlocks; ++b) {
+      m[b] = m2[b] = lowest;
+      r[b] = r2[b] = none;
+    }
     const float* p = first_plane + h0 * s_h + w * s_w;
     const float* p2 = first_plane + h0 * s_h + w2 * s_w;
     I idx = Lanes::fill(static_cast<int32_t>(h0 * width + w));  // row h's index of each column
     I idx2 = Lanes::fill(static_cast<int32_t>(h0 * width + w2));
     for (int64_t h = h0; h < h1; ++h, p += s_h, p2 += s_h) {
+      for (int b = 0; b < kBlocks; ++b) {
+        if constexpr (kIndex) {
+          Lanes::keep_greater(Lanes::load(p + b * kChannelBlock), idx, m[b], r[b]);
+          Lanes::keep_greater(Lanes::load(p2 + b * kChannelBlock), idx2, m2[b], r2[b]);
+        } else {
+          Lanes::keep_greater(Lanes::load(p + b * kChannelBlock), m[b]);
+          Lanes::keep_greater(Lanes::load(p2 + b * kChannelBlock), m2[b]);
+        }
+      }
       if constexpr (kIndex) {
-        Lanes::keep_greater(Lanes::load(p), idx, m, r);
-        Lanes::keep_greater(Lanes::load(p2), idx2, m2, r2);
         idx = Lanes::add(idx, step);
         idx2 = Lanes::add(idx2, step);
-      } else {
-        Lanes::keep_greater(Lanes::load(p), m);
-        Lanes::keep_greater(Lanes::load(p2), m2);
       }
     }
-    Lanes::store(col_max + w * kChannelBlock, m);
-    Lanes::store(col_max + w2 * kChannelBlock, m2);
-    if constexpr (kIndex) {
-      Lanes::store(col_idx + w * kChannelBlock, r);
-      Lanes::store(col_idx + w2 * kChannelBlock, r2);
+    for (int b = 0; b < kBlocks; ++b) {
+      Lanes::store(col_max + b * col_step + w * kChannelBlock, m[b]);
+      Lanes::store(col_max + b * col_step + w2 * kChannelBlock, m2[b]);
+      if constexpr (kIndex) {
+        Lanes::store(col_idx + b * col_step + w * kChannelBlock, r[b]);
+        Lanes::store(col_idx + b * col_step + w2 * kChannelBlock, r2[b]);
+      }
     }
   }
 }
@@ -125,62 +138,91 @@ inline void first_zeros(
   }
 }
 
-// The block's channels l = 0..7 at first_plane + l * s_c: step 1 by rows when `rows`, else by
-// channels; step 2 per bin. Writes bin j of channel l to res[j * 8 + l], and with kIndex its
-// index to res_idx[j * 8 + l]. col_max / col_idx hold 8 entries per column of the map (col_idx
-// and res_idx are not used without kIndex).
+// Step 2 for bin row ph (rows [h0, h1)) of the block at first_plane: each bin's result from
+// the row's column maxima (bin j of channel l to res[j * 8 + l], its index to res_idx).
 template <bool kIndex>
-DETOPS_LANES_FN inline void pool_block(
-    const float* first_plane, int64_t s_c, int64_t s_h, int64_t s_w, int64_t width, bool rows,
-    const RoiWindows& win, int64_t pooled_height, int64_t pooled_width, float* col_max,
-    int32_t* col_idx, float* res, int32_t* res_idx) {
+DETOPS_LANES_FN inline void bin_row(
+    const float* first_plane, int64_t s_c, int64_t s_h, int64_t s_w, const RoiWindows& win,
+    int64_t ph, int64_t h0, int64_t h1, int64_t pooled_width, const float* col_max,
+    const int32_t* col_idx, float* res, int32_t* res_idx) {
   using F = Lanes::F;
   using I = Lanes::I;
   const F lowest = Lanes::fill(geometry::roi_pool_lowest<float>());
   const I none = Lanes::fill(int32_t{-1});
+  for (int64_t pw = 0; pw < pooled_width; ++pw) {
+    const int64_t j = ph * pooled_width + pw;
+    const int64_t w0 = win.cols[2 * pw], w1 = win.cols[2 * pw + 1];
+    if (h1 <= h0 || w1 <= w0) {
+      Lanes::store(res + j * kChannelBlock, Lanes::fill(0.f));
+      if constexpr (kIndex) Lanes::store(res_idx + j * kChannelBlock, none);
+      continue;
+    }
+    if constexpr (!kIndex) {
+      // Nonzero maxima have one encoding each, so the columns' order does not matter.
+      F best = lowest;
+      for (int64_t w = w0; w < w1; ++w) {
+        Lanes::keep_greater(Lanes::load(col_max + w * kChannelBlock), best);
+      }
+      Lanes::store(res + j * kChannelBlock, best);
+      const int zeros = Lanes::zero_lanes(best);
+      if (zeros) {
+        first_zeros(first_plane, s_c, s_h, s_w, h0, h1, w0, w1, zeros, res + j * kChannelBlock);
+      }
+      continue;
+    }
+    // An all-NaN column (maximum roi_pool_lowest, index -1) is never taken: its maximum is
+    // not greater than best, and when equal, best's index is -1 too.
+    F best = lowest;
+    I bi = none;
+    for (int64_t w = w0; w < w1; ++w) {
+      Lanes::keep_first_max(
+          Lanes::load(col_max + w * kChannelBlock), Lanes::load(col_idx + w * kChannelBlock),
+          best, bi);
+    }
+    Lanes::store(res + j * kChannelBlock, best);
+    Lanes::store(res_idx + j * kChannelBlock, bi);
+  }
+}
+
+// The block's channels l = 0..7 at first_plane + l * s_c: step 1 by rows when `rows`, else by
+// channels; step 2 per bin. Writes bin j of channel l to res[j * 8 + l], and with kIndex its
+// index to res_idx[j * 8 + l]. col_max / col_idx hold 8 entries per column of the map (col_idx
+// and res_idx are not used without kIndex). With channels inner, nblocks 2 (or 4, without
+// kIndex) runs the blocks at first_plane + 8, ... in the same pass over the map
+// (column_max_channels): block b's column maxima at col_max + b * width * 8, its results at
+// res + b * bins * 8 (and its indices likewise), where bins = pooled_height * pooled_width.
+template <bool kIndex>
+DETOPS_LANES_FN inline void pool_block(
+    const float* first_plane, int64_t s_c, int64_t s_h, int64_t s_w, int64_t width, bool rows,
+    int64_t nblocks, const RoiWindows& win, int64_t pooled_height, int64_t pooled_width,
+    float* col_max, int32_t* col_idx, float* res, int32_t* res_idx) {
+  const int64_t col_step = width * kChannelBlock;
+  const int64_t res_step = pooled_height * pooled_width * kChannelBlock;
   for (int64_t ph = 0; ph < pooled_height; ++ph) {
     const int64_t h0 = win.rows[2 * ph], h1 = win.rows[2 * ph + 1];
     if (h1 > h0) {
       if (rows) {
         column_max_rows<kIndex>(
             first_plane, s_c, s_h, width, h0, h1, win.first_col, win.last_col, col_max, col_idx);
+      } else if (nblocks == 2) {
+        column_max_channels<kIndex, 2>(
+            first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max, col_idx,
+            col_step);
+      } else if (nblocks == 4 && !kIndex) {  // with indices, four blocks' chains spill
+        column_max_channels<false, 4>(
+            first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max, col_idx,
+            col_step);
       } else {
-        column_max_channels<kIndex>(
-            first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max, col_idx);
+        column_max_channels<kIndex, 1>(
+            first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max, col_idx,
+            col_step);
       }
     }
-    for (int64_t pw = 0; pw < pooled_width; ++pw) {
-      const int64_t j = ph * pooled_width + pw;
-      const int64_t w0 = win.cols[2 * pw], w1 = win.cols[2 * pw + 1];
-      if (h1 <= h0 || w1 <= w0) {
-        Lanes::store(res + j * kChannelBlock, Lanes::fill(0.f));
-        if constexpr (kIndex) Lanes::store(res_idx + j * kChannelBlock, none);
-        continue;
-      }
-      if constexpr (!kIndex) {
-        // Nonzero maxima have one encoding each, so the columns' order does not matter.
-        F best = lowest;
-        for (int64_t w = w0; w < w1; ++w) {
-          Lanes::keep_greater(Lanes::load(col_max + w * kChannelBlock), best);
-        }
-        Lanes::store(res + j * kChannelBlock, best);
-        const int zeros = Lanes::zero_lanes(best);
-        if (zeros) {
-          first_zeros(first_plane, s_c, s_h, s_w, h0, h1, w0, w1, zeros, res + j * kChannelBlock);
-        }
-        continue;
-      }
-      // An all-NaN column (maximum roi_pool_lowest, index -1) is never taken: its maximum is
-      // not greater than best, and when equal, best's index is -1 too.
-      F best = lowest;
-      I bi = none;
-      for (int64_t w = w0; w < w1; ++w) {
-        Lanes::keep_first_max(
-            Lanes::load(col_max + w * kChannelBlock), Lanes::load(col_idx + w * kChannelBlock),
-            best, bi);
-      }
-      Lanes::store(res + j * kChannelBlock, best);
-      Lanes::store(res_idx + j * kChannelBlock, bi);
+    for (int64_t b = 0; b < nblocks; ++b) {
+      bin_row<kIndex>(
+          first_plane + b * kChannelBlock, s_c, s_h, s_w, win, ph, h0, h1, pooled_width,
+          col_max + b * col_step, kIndex ? col_idx + b * col_step : nullptr, res + b * res_step,
+          kIndex ? res_idx + b * res_step : nullptr);
     }
   }
 }
