@@ -323,7 +323,10 @@ void roi_pool_forward_typed(
   const int64_t num_rois = rois.size(0);
   const bool block_fastest = s_c == 1 && channels > 1;
   // blocks an item: with channels inner, the vector path reads 2 adjacent blocks at a time
-  // with argmax, 4 without (pool_block's nblocks), where the channels hold them
+  // with argmax, 4 without (pool_block's nblocks), where the channels hold them. With argmax,
+  // 4 blocks keep 16 chains of (maximum, index), as many as AVX2 has registers, and were not
+  // clearly faster than 2 (BENCHMARKS.md, "CPU roi_pool forward, channels_last: whole lines
+  // an item").
   const int64_t per_item = vector_path && !vector_rows && s_c == 1 ? (arg ? 2 : 4) : 1;
   const int64_t groups = (blocks + per_item - 1) / per_item;  // items per RoI
   const int64_t items = num_rois * groups;

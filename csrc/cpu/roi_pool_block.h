@@ -208,7 +208,7 @@ DETOPS_LANES_FN inline void pool_block(
         column_max_channels<kIndex, 2>(
             first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max, col_idx,
             col_step);
-      } else if (nblocks == 4 && !kIndex) {  // with indices, four blocks' chains spill
+      } else if (nblocks == 4 && !kIndex) {  // with indices, 4 blocks are 16 chains
         column_max_channels<false, 4>(
             first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max, col_idx,
             col_step);
