@@ -282,6 +282,19 @@ ForwardPath vector_forward_path() {
 #endif
 }
 
+// Channel blocks an item of the vector path's argmax reads in one pass with channels inner:
+// Lanes::kIndexBlocks of the path's lanes.
+int64_t index_blocks(ForwardPath path) {
+#ifdef DETOPS_CPU_AVX2
+  if (path == ForwardPath::kAvx512) return avx512::Lanes::kIndexBlocks;
+  if (path == ForwardPath::kAvx2) return avx2::Lanes::kIndexBlocks;
+#endif
+#ifdef DETOPS_CPU_SSE2
+  if (path == ForwardPath::kSse2) return sse2::Lanes::kIndexBlocks;
+#endif
+  return 1;
+}
+
 template <typename scalar_t>
 void roi_pool_forward_typed(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
@@ -322,12 +335,11 @@ void roi_pool_forward_typed(
   // chunks"). A thread's buffers live across its chunks, so a chunk allocates nothing.
   const int64_t num_rois = rois.size(0);
   const bool block_fastest = s_c == 1 && channels > 1;
-  // blocks an item: with channels inner, the vector path reads 2 adjacent blocks at a time
-  // with argmax, 4 without (pool_block's nblocks), where the channels hold them. With argmax,
-  // 4 blocks keep 16 chains of (maximum, index), as many as AVX2 has registers, and were not
-  // clearly faster than 2 (BENCHMARKS.md, "CPU roi_pool forward, channels_last: whole lines
-  // an item").
-  const int64_t per_item = vector_path && !vector_rows && s_c == 1 ? (arg ? 2 : 4) : 1;
+  // blocks an item: with channels inner, the vector path reads 4 adjacent blocks at a time
+  // (pool_block's nblocks), where the channels hold them; with argmax as many as the lanes
+  // have registers for (index_blocks: 4 blocks are 16 chains of (maximum, index)).
+  const int64_t per_item =
+      vector_path && !vector_rows && s_c == 1 ? (arg ? index_blocks(path) : 4) : 1;
   const int64_t groups = (blocks + per_item - 1) / per_item;  // items per RoI
   const int64_t items = num_rois * groups;
   // vector path: the column maxima of one bin row and the results of the item's blocks,

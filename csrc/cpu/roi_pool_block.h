@@ -187,10 +187,11 @@ DETOPS_LANES_FN inline void bin_row(
 // The block's channels l = 0..7 at first_plane + l * s_c: step 1 by rows when `rows`, else by
 // channels; step 2 per bin. Writes bin j of channel l to res[j * 8 + l], and with kIndex its
 // index to res_idx[j * 8 + l]. col_max / col_idx hold 8 entries per column of the map (col_idx
-// and res_idx are not used without kIndex). With channels inner, nblocks 2 (or 4, without
-// kIndex) runs the blocks at first_plane + 8, ... in the same pass over the map
-// (column_max_channels): block b's column maxima at col_max + b * width * 8, its results at
-// res + b * bins * 8 (and its indices likewise), where bins = pooled_height * pooled_width.
+// and res_idx are not used without kIndex). With channels inner, nblocks 2 or 4 (4 with kIndex
+// only up to Lanes::kIndexBlocks) runs the blocks at first_plane + 8, ... in the same pass over
+// the map (column_max_channels): block b's column maxima at col_max + b * width * 8, its
+// results at res + b * bins * 8 (and its indices likewise), where bins = pooled_height *
+// pooled_width.
 template <bool kIndex>
 DETOPS_LANES_FN inline void pool_block(
     const float* first_plane, int64_t s_c, int64_t s_h, int64_t s_w, int64_t width, bool rows,
@@ -208,10 +209,13 @@ DETOPS_LANES_FN inline void pool_block(
         column_max_channels<kIndex, 2>(
             first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max, col_idx,
             col_step);
-      } else if (nblocks == 4 && !kIndex) {  // with indices, 4 blocks are 16 chains
-        column_max_channels<false, 4>(
-            first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max, col_idx,
-            col_step);
+      } else if (nblocks == 4) {
+        // with indices only where Lanes::kIndexBlocks is 4 (the caller's blocks an item)
+        if constexpr (!kIndex || Lanes::kIndexBlocks >= 4) {
+          column_max_channels<kIndex, 4>(
+              first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max,
+              col_idx, col_step);
+        }
       } else {
         column_max_channels<kIndex, 1>(
             first_plane, s_h, s_w, width, h0, h1, win.first_col, win.last_col, col_max, col_idx,
