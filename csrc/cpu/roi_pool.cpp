@@ -337,7 +337,8 @@ void roi_pool_forward_typed(
   const bool block_fastest = s_c == 1 && channels > 1;
   // blocks an item: with channels inner, the vector path reads 4 adjacent blocks at a time
   // (pool_block's nblocks), where the channels hold them; with argmax as many as the lanes
-  // have registers for (index_blocks: 4 blocks are 16 chains of (maximum, index)).
+  // have registers for (index_blocks: 4 blocks at two columns keep 16 vectors of maxima and
+  // indices).
   const int64_t per_item =
       vector_path && !vector_rows && s_c == 1 ? (arg ? index_blocks(path) : 4) : 1;
   const int64_t groups = (blocks + per_item - 1) / per_item;  // items per RoI
