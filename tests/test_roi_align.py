@@ -267,6 +267,32 @@ def test_cpu_channels_last_and_threads_agree(dtype, channels):
         assert torch.equal(out, tv_roi_align(x, rois, (3, 4), 0.5, -1, True))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_channels_last_rois_in_centre_bands(threads):
+    """With channels_last input the forward takes each image's RoIs by the band of map rows
+    that holds their centres. RoIs over the whole height of a tall map, centres above and below
+    it and on band edges, non-finite boxes and an image without RoIs: every RoI gets its own
+    output, bit for bit the NCHW path's, at any thread count."""
+    x = features(batch=3, channels=40, height=70, width=9, seed=5)  # bands of 8 rows: 9
+    g = torch.Generator().manual_seed(6)
+    k = 60
+    centre = torch.stack([torch.rand(k, generator=g, dtype=torch.float64) * 9,
+                          torch.rand(k, generator=g, dtype=torch.float64) * 100 - 15], 1)
+    half = torch.rand(k, 2, generator=g, dtype=torch.float64) * 12 + 0.5
+    boxes = torch.cat([centre - half, centre + half], 1)
+    boxes[:6, 1] = boxes[:6, 3] = torch.tensor([0.0, 8.0, 16.0, 63.999, 64.0, 70.0], dtype=torch.float64)
+    boxes[6] = torch.tensor([math.nan, math.nan, 3.0, 5.0])
+    boxes[7] = torch.tensor([1.0, -math.inf, 3.0, math.inf])
+    boxes[8] = torch.tensor([1.0, 2.0, 3.0, math.inf])
+    image = torch.randint(0, 2, (k, 1), generator=g).double() * 2  # images 0 and 2; none in 1
+    rois = torch.cat([image, boxes], 1).float()
+    nchw = roi_align(x, rois, (3, 4), 1.0, 2, True)
+    out = with_threads(threads, lambda: roi_align(x.to(memory_format=torch.channels_last), rois, (3, 4), 1.0, 2, True))
+    assert torch.equal(out, nchw)
+    finite = torch.isfinite(rois).all(1)
+    assert torch.equal(out[finite], tv_roi_align(x, rois[finite], (3, 4), 1.0, 2, True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("sampling_ratio", [-1, 2])

@@ -8,18 +8,27 @@
 namespace detops {
 namespace cpu {
 
-// RoI indices grouped by image, each group in RoI order (a stable counting sort): the RoIs of
-// image b are order[first[b], first[b + 1]). image_of(k) is RoI k's image, in [0, batch).
+// RoI indices grouped by a key, each group in RoI order (a stable counting sort): the RoIs
+// whose key is j are order[first[j], first[j + 1]). key_of(k) is RoI k's key, in [0, keys).
+template <typename KeyOf>
+void group_rois(
+    int64_t num_rois, int64_t keys, KeyOf key_of, std::vector<int64_t>& first,
+    std::vector<int64_t>& order) {
+  first.assign(keys + 1, 0);
+  order.resize(num_rois);
+  for (int64_t k = 0; k < num_rois; ++k) ++first[key_of(k) + 1];
+  for (int64_t j = 0; j < keys; ++j) first[j + 1] += first[j];
+  std::vector<int64_t> fill(first.begin(), first.end() - 1);
+  for (int64_t k = 0; k < num_rois; ++k) order[fill[key_of(k)]++] = k;
+}
+
+// RoI indices grouped by image, each group in RoI order: the RoIs of image b are
+// order[first[b], first[b + 1]). image_of(k) is RoI k's image, in [0, batch).
 template <typename ImageOf>
 void group_rois_by_image(
     int64_t num_rois, int64_t batch, ImageOf image_of, std::vector<int64_t>& first,
     std::vector<int64_t>& order) {
-  first.assign(batch + 1, 0);
-  order.resize(num_rois);
-  for (int64_t k = 0; k < num_rois; ++k) ++first[image_of(k) + 1];
-  for (int64_t b = 0; b < batch; ++b) first[b + 1] += first[b];
-  std::vector<int64_t> fill(first.begin(), first.end() - 1);
-  for (int64_t k = 0; k < num_rois; ++k) order[fill[image_of(k)]++] = k;
+  group_rois(num_rois, batch, image_of, first, order);
 }
 
 // Splits the planes p = b * channels + c of a [B, C, H, W] gradient, where every plane of image

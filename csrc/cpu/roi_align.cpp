@@ -8,8 +8,11 @@
 //             channels of a pixel being contiguous, so the inner loop is a vector loop over
 //             channels. The RoIs' tables are built once, by the threads of the kernel's own
 //             parallel region before they start on their items, and shared by every task.
-//             For NCHW input the items run RoI fastest within an image and channel block, so
-//             a task reads the planes of one or a few blocks, which stay in its core's cache.
+//             The items run RoI fastest within an image and channel block, so a task reads
+//             one or a few blocks' channels of the map: for NCHW input their planes, which
+//             stay in its core's cache; for channels_last input their slice of every pixel,
+//             larger than the cache, so there an image's RoIs run in bands of the rows of
+//             their centres, and consecutive items read nearby pixels.
 //   backward: parallel over (image, channel) planes of grad_input; each plane (or each band
 //             of its rows, where whole planes would give a thread fewer than four tasks) is
 //             owned by one task, which adds the RoIs of that image in index order (bins,
@@ -256,6 +259,26 @@ struct ImageOf {
   int64_t operator()(int64_t k) const { return static_cast<int64_t>(rois[k * 5]); }
 };
 
+// Map rows of a band of RoI centres in the channels_last forward's order (ImageBandOf).
+constexpr int64_t kCentreBandRows = 8;
+
+// RoI k's key in the channels_last forward's order: image * bands + the band of
+// kCentreBandRows map rows that holds the RoI's centre (outside the map, the nearest band;
+// NaN, band 0). Batch indices are checked.
+template <typename T>
+struct ImageBandOf {
+  const T* rois;
+  T scale;
+  int64_t bands;
+  int64_t operator()(int64_t k) const {
+    const T* r = rois + k * 5;
+    const T band = (r[2] + r[4]) * (T(0.5) * scale) / T(kCentreBandRows);
+    const int64_t b =
+        band >= T(0) ? (band < T(bands) ? static_cast<int64_t>(band) : bands - 1) : 0;
+    return static_cast<int64_t>(r[0]) * bands + b;
+  }
+};
+
 // rois as a contiguous [K, 5] tensor of the accumulation type, every batch index checked.
 template <typename acc_t>
 at::Tensor checked_rois(const char* op, const at::Tensor& rois, int64_t batch_size) {
@@ -365,14 +388,24 @@ void forward_typed(
       TableGeometry<acc_t>{roi_ptr, scale, pooled_height, pooled_width, sampling_ratio, aligned,
                            height, width, stride},
       num_rois);
-  // NCHW input with shared tables: the items of image b are (channel block, RoI of b), RoI
-  // fastest, so a task's range of items reads the planes of one or a few channel blocks,
-  // which stay in its core's cache. Otherwise an item is (RoI, channel block), channel block
-  // fastest: channels_last input reads a pixel's channels together, and a task that builds
-  // its own tables builds each once.
-  const bool by_block = !nhwc && !tables.empty();
+  // With shared tables, the items of image b are (channel block, RoI of b), RoI fastest, so a
+  // task's range of items reads one or a few channel blocks of the map: with NCHW input their
+  // planes, which stay in its core's cache; with channels_last input their slice of each
+  // pixel, the image's RoIs ordered by the band of rows that holds their centres, so that
+  // consecutive items read nearby pixels (BENCHMARKS.md, "CPU roi_align forward,
+  // channels_last: RoIs by the rows of their centres"). Otherwise an item is (RoI, channel
+  // block), channel block fastest: a task that builds its own tables builds each once.
+  const bool by_block = !tables.empty();
   std::vector<int64_t> first, order;
-  if (by_block) cpu::group_rois_by_image(num_rois, batch, ImageOf<acc_t>{roi_ptr}, first, order);
+  if (by_block && nhwc) {
+    const int64_t bands = std::max<int64_t>(1, (height + kCentreBandRows - 1) / kCentreBandRows);
+    cpu::group_rois(
+        num_rois, batch * bands, ImageBandOf<acc_t>{roi_ptr, scale, bands}, first, order);
+    for (int64_t b = 0; b <= batch; ++b) first[b] = first[b * bands];  // the images' groups
+    first.resize(batch + 1);
+  } else if (by_block) {
+    cpu::group_rois_by_image(num_rois, batch, ImageOf<acc_t>{roi_ptr}, first, order);
+  }
 
   // Equal shares of the items, in order, a chunk at a time; threads done early help the others.
   // Each thread first builds its share of the tables.
