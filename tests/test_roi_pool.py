@@ -517,6 +517,35 @@ def test_bad_python_arguments():
         roi_pool(x, [torch.zeros(2, 5)], 2)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_channels_last_rois_in_centre_bands(threads):
+    """With channels_last input the forward takes each image's RoIs by the band of map rows
+    that holds their centres. RoIs over the whole height of a tall map, centres above and below
+    it and on band edges, non-finite boxes and an image without RoIs: every RoI gets its own
+    output and argmax, torchvision's bits, as NCHW input gives them, at any thread count."""
+    x = tie_input((3, 40, 70, 9), seed=7, nan=0.02)  # bands of 8 rows: 9
+    g = torch.Generator().manual_seed(8)
+    k = 60
+    centre = torch.stack([torch.rand(k, generator=g) * 9, torch.rand(k, generator=g) * 100 - 15], 1)
+    half = torch.rand(k, 2, generator=g) * 12 + 0.5
+    boxes = torch.cat([centre - half, centre + half], 1)
+    boxes[:6, 1] = boxes[:6, 3] = torch.tensor([0.0, 8.0, 16.0, 63.999, 64.0, 70.0])
+    boxes[6] = torch.tensor([math.nan, math.nan, 3.0, 5.0])
+    boxes[7] = torch.tensor([1.0, -math.inf, 3.0, math.inf])
+    boxes[8] = torch.tensor([1.0, 2.0, 3.0, math.inf])
+    image = torch.randint(0, 2, (k, 1), generator=g).float() * 2  # images 0 and 2; none in 1
+    rois = torch.cat([image, boxes], 1)
+    want = op(x, rois, 1.0, 3, 4)
+    finite = torch.isfinite(rois).all(1)
+    tv = torch.ops.torchvision.roi_pool(x, rois[finite], 1.0, 3, 4)
+    assert torch.equal(bits(want[0][finite]), bits(tv[0])) and torch.equal(want[1][finite], tv[1].int())
+    xcl = x.contiguous(memory_format=torch.channels_last)
+    out, arg = with_threads(threads, lambda: op(xcl, rois, 1.0, 3, 4))
+    values = with_threads(threads, lambda: op_values(xcl, rois, 1.0, 3, 4))
+    assert torch.equal(bits(out), bits(want[0])) and torch.equal(arg, want[1])
+    assert torch.equal(bits(values), bits(want[0]))
+
+
 def test_nan_and_inf_coordinates():
     x = distinct_input((1, 2, 6, 6))
     rois = torch.tensor([[0.0, float("nan"), 0, 3, 3], [0, 0, 0, float("inf"), float("inf")], [0, -1e30, -1e30, 1e30, 1e30]])

@@ -1,4 +1,6 @@
-// Work split for CPU backward kernels that own whole (image, channel) planes of grad_input.
+// Work split for the CPU RoI kernels: RoIs grouped by image (or by image and the rows of their
+// centres) and, for the backwards that own whole (image, channel) planes of grad_input, the
+// planes cut into chunks of equal work.
 #pragma once
 
 #include <algorithm>
@@ -20,6 +22,28 @@ void group_rois(
   for (int64_t j = 0; j < keys; ++j) first[j + 1] += first[j];
   std::vector<int64_t> fill(first.begin(), first.end() - 1);
   for (int64_t k = 0; k < num_rois; ++k) order[fill[key_of(k)]++] = k;
+}
+
+// Map rows of a band of RoI centres (centre_band_key).
+constexpr int64_t kCentreBandRows = 8;
+
+// Bands of kCentreBandRows rows on a map of `height` rows, at least one.
+inline int64_t centre_bands(int64_t height) {
+  return std::max<int64_t>(1, (height + kCentreBandRows - 1) / kCentreBandRows);
+}
+
+// A RoI's key in an order by image and the band of map rows that holds its centre, for
+// group_rois with batch * bands keys: image * bands + band. The centre row is
+// (y1 + y2) / 2 * scale; outside the map it takes the nearest band, NaN band 0. An image index
+// outside [0, batch) (a RoI the kernel leaves empty or rejects) counts as image 0.
+template <typename T>
+int64_t centre_band_key(T image, T y1, T y2, T scale, int64_t batch, int64_t bands) {
+  const int64_t b =
+      image >= T(0) && image < static_cast<T>(batch) ? static_cast<int64_t>(image) : 0;
+  const T row = (y1 + y2) * (T(0.5) * scale) / static_cast<T>(kCentreBandRows);
+  const int64_t band =
+      row >= T(0) ? (row < static_cast<T>(bands) ? static_cast<int64_t>(row) : bands - 1) : 0;
+  return b * bands + band;
 }
 
 // RoI indices grouped by image, each group in RoI order: the RoIs of image b are

@@ -259,26 +259,6 @@ struct ImageOf {
   int64_t operator()(int64_t k) const { return static_cast<int64_t>(rois[k * 5]); }
 };
 
-// Map rows of a band of RoI centres in the channels_last forward's order (ImageBandOf).
-constexpr int64_t kCentreBandRows = 8;
-
-// RoI k's key in the channels_last forward's order: image * bands + the band of
-// kCentreBandRows map rows that holds the RoI's centre (outside the map, the nearest band;
-// NaN, band 0). Batch indices are checked.
-template <typename T>
-struct ImageBandOf {
-  const T* rois;
-  T scale;
-  int64_t bands;
-  int64_t operator()(int64_t k) const {
-    const T* r = rois + k * 5;
-    const T band = (r[2] + r[4]) * (T(0.5) * scale) / T(kCentreBandRows);
-    const int64_t b =
-        band >= T(0) ? (band < T(bands) ? static_cast<int64_t>(band) : bands - 1) : 0;
-    return static_cast<int64_t>(r[0]) * bands + b;
-  }
-};
-
 // rois as a contiguous [K, 5] tensor of the accumulation type, every batch index checked.
 template <typename acc_t>
 at::Tensor checked_rois(const char* op, const at::Tensor& rois, int64_t batch_size) {
@@ -398,9 +378,12 @@ void forward_typed(
   const bool by_block = !tables.empty();
   std::vector<int64_t> first, order;
   if (by_block && nhwc) {
-    const int64_t bands = std::max<int64_t>(1, (height + kCentreBandRows - 1) / kCentreBandRows);
-    cpu::group_rois(
-        num_rois, batch * bands, ImageBandOf<acc_t>{roi_ptr, scale, bands}, first, order);
+    const int64_t bands = cpu::centre_bands(height);
+    const auto key = [&](int64_t k) {
+      const acc_t* r = roi_ptr + k * 5;
+      return cpu::centre_band_key(r[0], r[2], r[4], scale, batch, bands);
+    };
+    cpu::group_rois(num_rois, batch * bands, key, first, order);
     for (int64_t b = 0; b <= batch; ++b) first[b] = first[b * bands];  // the images' groups
     first.resize(batch + 1);
   } else if (by_block) {

@@ -320,21 +320,22 @@ void roi_pool_forward_typed(
       : ForwardPath::kScalar;
   const bool vector_path = path != ForwardPath::kScalar;
 
-  // Items run RoI fastest (item = block * K + RoI): a thread's range of items holds RoIs of
-  // all sizes, so equal ranges are about equal work, and it reads few channel planes. With
-  // channels inner (channels_last) they run block fastest (item = RoI * groups + group)
-  // instead: a block reads 32 bytes of each pixel, so the blocks of one RoI, one after the
-  // other, find its pixels' other channels in cache (BENCHMARKS.md, "CPU roi_pool forward
-  // without argmax: no index tracked"); and the vector path's item there is a group of 2 or
-  // 4 adjacent blocks, which read whole 64-byte lines (BENCHMARKS.md, "CPU roi_pool forward,
-  // channels_last: whole lines an item"). Equal shares, a chunk at a time; threads done early
+  // Items run RoI fastest: item = group * K + j is RoI order[j] and channel group item / K, a
+  // group being one block, or with channels inner up to 4 adjacent ones, which read whole
+  // 64-byte lines (BENCHMARKS.md, "CPU roi_pool forward, channels_last: whole lines an item").
+  // A thread's range of items holds RoIs of all sizes, so equal ranges are about equal work,
+  // and reads one or a few groups' channels: with NCHW input their planes, the RoIs in index
+  // order; with channels inner their slice of every pixel, larger than a core's cache, so
+  // there each image's RoIs run in bands of the rows of their centres and consecutive items
+  // read nearby pixels (BENCHMARKS.md, "CPU roi_pool forward, channels_last: RoIs by the rows
+  // of their centres"). Equal shares, a chunk at a time; threads done early
   // help the others. A chunk is one item of a few microseconds, so the threads end within
   // about an item of each other, also where one core runs at half the speed of the others
   // (with 8 items a chunk, a 16-thread call on the small map ended its threads 69-78 us
   // apart, with one 9-11 us: BENCHMARKS.md, "roi_pool forward+backward: the threads' last
   // chunks"). A thread's buffers live across its chunks, so a chunk allocates nothing.
   const int64_t num_rois = rois.size(0);
-  const bool block_fastest = s_c == 1 && channels > 1;
+  const bool by_centre = s_c == 1 && channels > 1;  // channels inner
   // blocks an item: with channels inner, the vector path reads 4 adjacent blocks at a time
   // (pool_block's nblocks), where the channels hold them; with argmax as many as the lanes
   // have registers for (index_blocks: 4 blocks at two columns keep 16 vectors of maxima and
@@ -350,6 +351,17 @@ void roi_pool_forward_typed(
   const auto make_scratch = [&] {
     return ForwardScratch(width, bins, lanes, index_lanes, pooled_height, pooled_width);
   };
+  std::vector<int64_t> first, order;
+  if (by_centre) {
+    const int64_t bands = cpu::centre_bands(height);
+    const auto key = [&](int64_t k) {
+      const scalar_t* q = r + k * 5;
+      return cpu::centre_band_key(
+          static_cast<acc_t>(q[0]), static_cast<acc_t>(q[2]), static_cast<acc_t>(q[4]), scale,
+          batch, bands);
+    };
+    cpu::group_rois(num_rois, batch * bands, key, first, order);
+  }
   cpu::PerThread<ForwardScratch> scratch;
   cpu::parallel_shares(items, kForwardChunk, [&](int64_t i0, int64_t i1) {
     std::optional<ForwardScratch> own;
@@ -361,8 +373,8 @@ void roi_pool_forward_typed(
     RoiWindows& win = sp.win;
     int64_t& win_roi = sp.win_roi;  // the RoI whose windows `win` holds
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t k = block_fastest ? item / groups : item % num_rois;
-      const int64_t group = block_fastest ? item % groups : item / num_rois;
+      const int64_t k = by_centre ? order[item % num_rois] : item % num_rois;
+      const int64_t group = item / num_rois;
       const int64_t c0 = group * kChannelBlock * per_item;
       const int64_t nc = std::min(kChannelBlock * per_item, channels - c0);
       const auto box = geometry::roi_pool_box_at(r, k, scale, batch, pooled_height, pooled_width);
