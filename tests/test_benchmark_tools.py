@@ -195,7 +195,6 @@ def test_cpu_scaling_vectors_times_each_choice_and_restores_threads(capsys):
     assert "roi_pool forwards, small map, 1 threads: avx2: values" in out and "scalar: values" in out
 
 
-
 def test_cpu_scaling_vectors_stops_where_choices_disagree(monkeypatch):
     from benchmarks import cpu_scaling
     from detops import _C
