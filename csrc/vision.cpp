@@ -47,6 +47,9 @@ TORCH_LIBRARY(detops, m) {
       "_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, "
       "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, "
       "SymInt height, SymInt width) -> Tensor");
+  // input's values in a new channels_last tensor: the RoI ops' autograd returns the gradient of
+  // a channels_last CPU input through it (their backwards write NCHW planes)
+  m.def("_to_channels_last(Tensor input) -> Tensor");
 }
 
 #ifndef WITH_CUDA
@@ -67,7 +70,7 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/)
 
 TORCH_LIBRARY_IMPL(detops, CUDA, m) {
   for (const char* name : {"nms", "batched_nms", "nms_padded", "roi_align", "_roi_align_backward", "roi_pool",
-                           "_roi_pool_values", "_roi_pool_backward"}) {
+                           "_roi_pool_values", "_roi_pool_backward", "_to_channels_last"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   }
 }

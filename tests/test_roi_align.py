@@ -267,6 +267,38 @@ def test_cpu_channels_last_and_threads_agree(dtype, channels):
         assert torch.equal(out, tv_roi_align(x, rois, (3, 4), 0.5, -1, True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_channels_last_input_gets_channels_last_grad(dtype, threads):
+    """A CPU input stored channels_last gets its gradient in that layout (the autograd copies
+    the backward's NCHW planes through _to_channels_last) with the NCHW input's bits, as a leaf
+    and behind another op; an input that is both layouts at once (one channel) gets the
+    backward's own tensor."""
+    for channels in (24, 1):
+        x = features(batch=2, channels=channels, height=16, width=13, dtype=dtype)
+        rois = torch.cat([edge_rois(2, 0.5, dtype, "cpu", seed=s) for s in range(2)])
+        grad = torch.randn(rois.size(0), channels, 3, 4, generator=torch.Generator().manual_seed(4)).to(dtype)
+
+        def grad_of(t):
+            # torch.autograd.grad: the gradient as the op's backward returns it (a leaf's .grad
+            # would be copied into the leaf's layout by AccumulateGrad in any case)
+            t = t.detach().requires_grad_()
+            return with_threads(threads, lambda: torch.autograd.grad(roi_align(t, rois, (3, 4), 0.5, 2, True), t, grad))[0]
+
+        want = grad_of(x)
+        got = grad_of(x.to(memory_format=torch.channels_last))
+        assert want.is_contiguous()
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(got, want)
+        if channels > 1:
+            assert not got.is_contiguous()
+            # behind another op: the leaf is NCHW, the op's input a channels_last copy of it
+            leaf = x.detach().requires_grad_()
+            with_threads(threads, lambda: roi_align(
+                leaf.to(memory_format=torch.channels_last), rois, (3, 4), 0.5, 2, True).backward(grad))
+            assert leaf.grad.is_contiguous() and torch.equal(leaf.grad, want)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_cpu_channels_last_rois_in_centre_bands(threads):
     """With channels_last input the forward takes each image's RoIs by the band of map rows

@@ -277,6 +277,38 @@ def test_roi_pool_skips_argmax_without_gradient():
     assert torch.equal(xv.grad, xg.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_channels_last_input_gets_channels_last_grad(dtype, threads):
+    """A CPU input stored channels_last gets its gradient in that layout, with the NCHW input's
+    bits: the backward writes NCHW planes and the autograd copies them once through
+    _to_channels_last. An NCHW input, or one that is both layouts at once (one channel), gets
+    the backward's own tensor."""
+    for channels in (20, 1):
+        x = distinct_input((2, channels, 11, 9), seed=3).to(dtype)
+        rois = random_rois(30, 2, 11, 9, 0.5, seed=4).to(dtype)
+        grad = torch.randn(30, channels, 3, 2, generator=torch.Generator().manual_seed(5)).to(dtype)
+
+        def grad_of(t):
+            t = t.detach().requires_grad_()
+            ops = with_threads(threads, lambda: _ops_dispatched(lambda: roi_pool(t, rois, (3, 2), 0.5).backward(grad)))
+            return t.grad, ops
+
+        want, ops_nchw = grad_of(x)
+        got, ops_cl = grad_of(x.to(memory_format=torch.channels_last))
+        assert ops_nchw == ["detops::roi_pool", "detops::_roi_pool_backward"]
+        assert want.is_contiguous() and got.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(got, want)
+        if channels > 1:
+            assert ops_cl == ops_nchw + ["detops::_to_channels_last"] and not got.is_contiguous()
+        else:
+            assert ops_cl == ops_nchw
+        # as the op's backward returns it, before a leaf's AccumulateGrad
+        xcl = x.to(memory_format=torch.channels_last).requires_grad_()
+        (direct,) = torch.autograd.grad(roi_pool(xcl, rois, (3, 2), 0.5), xcl, grad)
+        assert direct.is_contiguous(memory_format=torch.channels_last) and torch.equal(direct, want)
+
+
 CPU_VECTORS = ["auto", "avx512", "avx2", "sse2", "scalar"]
 
 
@@ -429,6 +461,10 @@ def test_compile_fullgraph():
     x2 = x.clone().requires_grad_()
     f(x2, rois).backward()
     assert torch.equal(x1.grad, x2.grad)
+    # a channels_last input: the traced backward returns its gradient in that layout too
+    x3 = x.clone().to(memory_format=torch.channels_last).requires_grad_()
+    compiled(x3, rois).backward()
+    assert x3.grad.is_contiguous(memory_format=torch.channels_last) and torch.equal(x3.grad, x2.grad)
     with torch.no_grad():  # inference: the values op, through its fake kernel
         assert torch.equal(compiled(x1, rois), f(x2, rois))
 

@@ -6,8 +6,14 @@
 //
 // Under autocast the ops may run in float32 on casts of the arguments (autocast/*.cpp): the
 // gradient is taken in the RoIs' dtype and returned in the input's dtype, as the op saw them.
+//
+// The backwards write the gradient plane by plane (NCHW). For a CPU input stored channels_last
+// the gradient is returned in that layout (_to_channels_last), as torch's own pooling ops do; a
+// leaf's AccumulateGrad would otherwise make that copy itself, into fresh 4 KiB pages
+// (BENCHMARKS.md, "CPU channels_last gradients").
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -57,6 +63,23 @@ const c10::TypedOperatorHandle<RoIPoolBackwardSig>& roi_pool_backward_op() {
   static const auto op = op_handle<RoIPoolBackwardSig>("detops::_roi_pool_backward");
   return op;
 }
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)>& to_channels_last_op() {
+  static const auto op = op_handle<at::Tensor(const at::Tensor&)>("detops::_to_channels_last");
+  return op;
+}
+
+// Whether the gradient of `input` goes back channels_last: a CPU input stored that way (and
+// not NCHW-contiguous as well, as a map with one channel or one pixel is).
+bool channels_last_grad(const at::Tensor& input) {
+  return input.is_cpu() && input.dim() == 4 && !input.is_contiguous() &&
+      input.is_contiguous(at::MemoryFormat::ChannelsLast);
+}
+
+// The gradient of the input, in its dtype, channels_last where channels_last_grad said so.
+at::Tensor input_grad(AutogradContext* ctx, const at::Tensor& grad) {
+  at::Tensor g = grad.to(ctx->saved_data["input_dtype"].toScalarType());
+  return ctx->saved_data["channels_last"].toBool() ? to_channels_last_op().call(g) : g;
+}
 
 // The saved input shape [B, C, H, W] as SymInts.
 std::vector<c10::SymInt> saved_shape(AutogradContext* ctx) {
@@ -81,6 +104,7 @@ class RoIAlignFunction : public torch::autograd::Function<RoIAlignFunction> {
     ctx->saved_data["aligned"] = aligned;
     ctx->saved_data["input_shape"] = input.sym_sizes();
     ctx->saved_data["input_dtype"] = input.scalar_type();
+    ctx->saved_data["channels_last"] = channels_last_grad(input);
     ctx->save_for_backward({rois});
     at::AutoDispatchBelowADInplaceOrView guard;
     return {roi_align_op().call(
@@ -92,12 +116,12 @@ class RoIAlignFunction : public torch::autograd::Function<RoIAlignFunction> {
     if (!ctx->needs_input_grad(0) || !grad_output[0].defined()) return grads;
     const Variable rois = ctx->get_saved_variables()[0];
     const auto shape = saved_shape(ctx);
-    grads[0] = roi_align_backward_op().call(
-                     grad_output[0].to(rois.scalar_type()), rois, ctx->saved_data["spatial_scale"].toDouble(),
-                     ctx->saved_data["pooled_height"].toSymInt(), ctx->saved_data["pooled_width"].toSymInt(),
-                     shape[0], shape[1], shape[2], shape[3], ctx->saved_data["sampling_ratio"].toInt(),
-                     ctx->saved_data["aligned"].toBool())
-                   .to(ctx->saved_data["input_dtype"].toScalarType());
+    grads[0] = input_grad(
+        ctx, roi_align_backward_op().call(
+                 grad_output[0].to(rois.scalar_type()), rois, ctx->saved_data["spatial_scale"].toDouble(),
+                 ctx->saved_data["pooled_height"].toSymInt(), ctx->saved_data["pooled_width"].toSymInt(),
+                 shape[0], shape[1], shape[2], shape[3], ctx->saved_data["sampling_ratio"].toInt(),
+                 ctx->saved_data["aligned"].toBool()));
     return grads;
   }
 };
@@ -129,6 +153,7 @@ class RoIPoolFunction : public torch::autograd::Function<RoIPoolFunction> {
     ctx->saved_data["pooled_width"] = pooled_width;
     ctx->saved_data["input_shape"] = input.sym_sizes();
     ctx->saved_data["input_dtype"] = input.scalar_type();
+    ctx->saved_data["channels_last"] = channels_last_grad(input);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [output, argmax] =
         roi_pool_op().call(input, rois, spatial_scale, std::move(pooled_height), std::move(pooled_width));
@@ -145,11 +170,11 @@ class RoIPoolFunction : public torch::autograd::Function<RoIPoolFunction> {
     const auto saved = ctx->get_saved_variables();
     const Variable &rois = saved[0], &argmax = saved[1];
     const auto shape = saved_shape(ctx);
-    grads[0] = roi_pool_backward_op().call(
-                     grad_output[0].to(rois.scalar_type()), rois, argmax, ctx->saved_data["spatial_scale"].toDouble(),
-                     ctx->saved_data["pooled_height"].toSymInt(), ctx->saved_data["pooled_width"].toSymInt(),
-                     shape[0], shape[1], shape[2], shape[3])
-                   .to(ctx->saved_data["input_dtype"].toScalarType());
+    grads[0] = input_grad(
+        ctx, roi_pool_backward_op().call(
+                 grad_output[0].to(rois.scalar_type()), rois, argmax, ctx->saved_data["spatial_scale"].toDouble(),
+                 ctx->saved_data["pooled_height"].toSymInt(), ctx->saved_data["pooled_width"].toSymInt(),
+                 shape[0], shape[1], shape[2], shape[3]));
     return grads;
   }
 };
@@ -229,6 +254,8 @@ TORCH_LIBRARY_IMPL(detops, Autograd, m) {
   m.impl("roi_pool", TORCH_FN(roi_pool_autograd));
   m.impl("_roi_pool_values", TORCH_FN(roi_pool_values_autograd));
   m.impl("_roi_pool_backward", TORCH_FN(roi_pool_backward_autograd));
+  // a copy the ops' backwards make; it has no gradient of its own
+  m.impl("_to_channels_last", torch::autograd::autogradNotImplementedFallback());
 }
 
 }  // namespace ops

@@ -72,6 +72,13 @@ inline void check_float_tensor(const char* op, const char* arg, const at::Tensor
       t.scalar_type());
 }
 
+// _to_channels_last's one argument: any dtype, a [B, C, H, W] shape.
+inline void check_to_channels_last_input(const at::Tensor& input) {
+  DETOPS_CHECK(
+      input.dim() == 4, "detops._to_channels_last: input must be a [B, C, H, W] tensor, got ",
+      shape_str(input));
+}
+
 inline void check_same_device(
     const char* op, const char* arg_a, const at::Tensor& a, const char* arg_b,
     const at::Tensor& b) {

@@ -139,3 +139,14 @@ def _roi_align_backward_fake(
         lambda: f"{op}: grad must be a [K, C, PH, PW] tensor, got {list(grad.shape)}",
     )
     return grad.new_empty((batch_size, channels, height, width))
+
+
+@torch.library.register_fake("detops::_to_channels_last")
+def _to_channels_last_fake(input: Tensor) -> Tensor:
+    # the layout in which roi_align's and roi_pool's autograd return a CPU channels_last
+    # input's gradient
+    torch._check(
+        input.dim() == 4,
+        lambda: f"detops._to_channels_last: input must be a [B, C, H, W] tensor, got {list(input.shape)}",
+    )
+    return torch.empty_like(input, memory_format=torch.channels_last)
