@@ -8,11 +8,13 @@
     python -m benchmarks.cpu_scaling --pairs --seconds 0.25      # which cores slow each other
     python -m benchmarks.cpu_scaling --versus 16 --seconds 0.3   # threads against processes
     python -m benchmarks.cpu_scaling --vectors avx2,auto --threads 1,16 --rounds 4  # roi_pool lanes
+    python -m benchmarks.cpu_scaling --threads 1,16 --cases large_fwd+bwd,large_fwd+bwd_cl  # layouts
 
 The first form times detops' CPU roi_align / roi_pool on the small map of `bench_roi`
 (2x64x100x152, 256 RoIs) and on the CUDA cases' map (2x256x200x304, 1024 RoIs), 7x7 bins,
 printing one line per thread count: run it once per build, alternating builds, to compare them
-on one noisy machine. The case "ref" is torch's own `digamma` over 512 K floats: equal chunks
+on one noisy machine. Cases ending in "_cl" take the map channels_last; the "fwd+bwd" cases run
+the op and its backward through autograd with the map as a leaf. The case "ref" is torch's own `digamma` over 512 K floats: equal chunks
 of computation on data that stays in cache, with no shared writes, about as long on one thread
 as the small forward, so its scaling is what the machine gives a threaded call of that length.
 The --ratio form alternates one thread and N threads in rounds within one process and prints
@@ -64,6 +66,7 @@ def cases() -> List[Tuple[str, Callable[[], object], int]]:
     xcl = x.contiguous(memory_format=torch.channels_last)
     big_x, big_rois = _inputs("cpu", torch.float32, 2, 256, 200, 304, 1024)
     big_grad = torch.randn(1024, 256, 7, 7)
+    big_xcl = big_x.contiguous(memory_format=torch.channels_last)
     ref_in, ref_out = torch.rand(1 << 19) + 3, torch.empty(1 << 19)
     align = lambda a, r: detops.ops.roi_align(a, r, 7, 0.25, 2, True)  # noqa: E731
     pool = lambda a, r: detops.ops.roi_pool(a, r, 7, 0.25)  # noqa: E731
@@ -78,6 +81,14 @@ def cases() -> List[Tuple[str, Callable[[], object], int]]:
         ("large_fwd", lambda: align(big_x, big_rois), 5),
         ("large_bwd", lambda: backward(big_grad, big_rois, 0.25, 7, 7, 2, 256, 200, 304, 2, True), 5),
         ("large_pool_fwd", lambda: pool(big_x, big_rois), 5),
+        # through autograd with the input as a leaf, NCHW and channels_last (whose gradient
+        # comes back channels_last: the NCHW planes copied once)
+        ("fwd+bwd_cl", lambda: fwd_bwd(align, xcl, rois, grad), 20),
+        ("pool_fwd+bwd_cl", lambda: fwd_bwd(pool, xcl, rois, grad), 20),
+        ("large_fwd+bwd", lambda: fwd_bwd(align, big_x, big_rois, big_grad), 5),
+        ("large_fwd+bwd_cl", lambda: fwd_bwd(align, big_xcl, big_rois, big_grad), 5),
+        ("large_pool_fwd+bwd", lambda: fwd_bwd(pool, big_x, big_rois, big_grad), 5),
+        ("large_pool_fwd+bwd_cl", lambda: fwd_bwd(pool, big_xcl, big_rois, big_grad), 5),
         # torch's own kernel: equal chunks of computation (16 of torch's 32 K-element grains),
         # 2 MB in and 2 MB out, no shared writes, about as long on one thread as "fwd": the
         # scaling the machine gives a threaded call of that length
