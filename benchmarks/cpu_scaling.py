@@ -14,9 +14,10 @@ The first form times detops' CPU roi_align / roi_pool on the small map of `bench
 (2x64x100x152, 256 RoIs) and on the CUDA cases' map (2x256x200x304, 1024 RoIs), 7x7 bins,
 printing one line per thread count: run it once per build, alternating builds, to compare them
 on one noisy machine. Cases ending in "_cl" take the map channels_last; the "fwd+bwd" cases run
-the op and its backward through autograd with the map as a leaf. The case "ref" is torch's own `digamma` over 512 K floats: equal chunks
-of computation on data that stays in cache, with no shared writes, about as long on one thread
-as the small forward, so its scaling is what the machine gives a threaded call of that length.
+the op and its backward through autograd with the map as a leaf. The case "ref" is torch's own
+`digamma` over 512 K floats: equal chunks of computation on data that stays in cache, with no
+shared writes, about as long on one thread as the small forward, so its scaling is what the
+machine gives a threaded call of that length.
 The --ratio form alternates one thread and N threads in rounds within one process and prints
 each round's one-thread median over its N-thread median, then the median of those ratios: a
 machine's speed drifts between processes and within one, and two medians taken seconds apart
