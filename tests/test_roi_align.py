@@ -299,6 +299,39 @@ def test_cpu_channels_last_input_gets_channels_last_grad(dtype, threads):
             assert leaf.grad.is_contiguous() and torch.equal(leaf.grad, want)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_cuda_channels_last_input_gets_channels_last_grad(dtype):
+    """A CUDA input stored channels_last gets its gradient in that layout too (the backward's
+    NCHW planes through _to_channels_last's tiled transpose): bit for bit the NCHW input's under
+    deterministic algorithms, close to it with the atomic backward; as a leaf, as the op's
+    backward returns it, and behind another op. 35 channels and 21x13 pixels leave partial tiles
+    of 32 on both axes."""
+    x = features(batch=3, channels=35, height=21, width=13, dtype=dtype, device="cuda", seed=7)
+    rois = torch.cat([edge_rois(3, 0.5, dtype, "cuda", seed=s) for s in range(3)])
+    grad = torch.randn(rois.size(0), 35, 3, 4, generator=torch.Generator().manual_seed(8)).to(dtype=dtype, device="cuda")
+    xcl = x.to(memory_format=torch.channels_last)
+    for deterministic in (True, False):
+        with deterministic_algorithms(deterministic):
+            (want,) = torch.autograd.grad(roi_align(x.requires_grad_(), rois, (3, 4), 0.5, 2, True), x, grad)
+            (got,) = torch.autograd.grad(roi_align(xcl.requires_grad_(), rois, (3, 4), 0.5, 2, True), xcl, grad)
+            leaf = xcl.detach().requires_grad_()
+            roi_align(leaf, rois, (3, 4), 0.5, 2, True).backward(grad)
+            behind = x.detach().requires_grad_()
+            roi_align(behind.to(memory_format=torch.channels_last), rois, (3, 4), 0.5, 2, True).backward(grad)
+        assert want.is_contiguous() and behind.grad.is_contiguous()
+        for g in (got, leaf.grad):
+            assert g.is_contiguous(memory_format=torch.channels_last) and not g.is_contiguous()
+        if deterministic:
+            for g in (got, leaf.grad, behind.grad):
+                assert torch.equal(g, want)
+        else:
+            tol = dict(atol=1e-2, rtol=1e-2) if dtype in LOW_TOL else TOL[dtype]
+            for g in (got, leaf.grad, behind.grad):
+                torch.testing.assert_close(g, want, **tol)
+        x, xcl = x.detach(), xcl.detach()
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_cpu_channels_last_rois_in_centre_bands(threads):
     """With channels_last input the forward takes each image's RoIs by the band of map rows

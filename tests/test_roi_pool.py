@@ -309,6 +309,44 @@ def test_cpu_channels_last_input_gets_channels_last_grad(dtype, threads):
         assert direct.is_contiguous(memory_format=torch.channels_last) and torch.equal(direct, want)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_channels_last_input_gets_channels_last_grad(dtype, deterministic):
+    """A CUDA input stored channels_last gets its gradient in that layout too, through
+    _to_channels_last's tiled transpose after the backward, as the op's backward returns it and
+    in a leaf's .grad: equal to the NCHW input's gradient under deterministic algorithms, close
+    to it with the atomic backward (whose additions into a pixel come in any order). 40 channels
+    and 11x9 pixels leave partial tiles of 32 on both axes; one channel takes no copy."""
+    for channels in (40, 1):
+        x = distinct_input((2, channels, 11, 9), seed=3).to(dtype=dtype, device="cuda")
+        rois = random_rois(30, 2, 11, 9, 0.5, seed=4).to(dtype=dtype, device="cuda")
+        grad = torch.randn(30, channels, 3, 2, generator=torch.Generator().manual_seed(5)).to(dtype=dtype, device="cuda")
+        prev = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            t = x.detach().requires_grad_()
+            (want,) = torch.autograd.grad(roi_pool(t, rois, (3, 2), 0.5), t, grad)
+            t = x.to(memory_format=torch.channels_last).requires_grad_()
+            ops = _ops_dispatched(lambda: roi_pool(t, rois, (3, 2), 0.5).backward(grad))
+            (direct,) = torch.autograd.grad(roi_pool(t, rois, (3, 2), 0.5), t, grad)
+        finally:
+            torch.use_deterministic_algorithms(prev)
+        assert want.is_contiguous()
+        for got in (t.grad, direct):
+            assert got.is_contiguous(memory_format=torch.channels_last)
+            if deterministic:
+                assert torch.equal(got, want)
+            else:
+                atol = {2: 1e-2, 4: 1e-5, 8: 1e-12}[dtype.itemsize]
+                torch.testing.assert_close(got, want, atol=atol, rtol=0)
+        if channels > 1:
+            assert not direct.is_contiguous()
+            assert ops == ["detops::roi_pool", "detops::_roi_pool_backward", "detops::_to_channels_last"]
+        else:
+            assert ops == ["detops::roi_pool", "detops::_roi_pool_backward"]
+
+
 CPU_VECTORS = ["auto", "avx512", "avx2", "sse2", "scalar"]
 
 

@@ -7,10 +7,11 @@
 // Under autocast the ops may run in float32 on casts of the arguments (autocast/*.cpp): the
 // gradient is taken in the RoIs' dtype and returned in the input's dtype, as the op saw them.
 //
-// The backwards write the gradient plane by plane (NCHW). For a CPU input stored channels_last
-// the gradient is returned in that layout (_to_channels_last), as torch's own pooling ops do; a
-// leaf's AccumulateGrad would otherwise make that copy itself, into fresh 4 KiB pages
-// (BENCHMARKS.md, "CPU channels_last gradients").
+// The backwards write the gradient plane by plane (NCHW). For an input stored channels_last the
+// gradient is returned in that layout (_to_channels_last), as torch's own pooling ops do. A
+// leaf's AccumulateGrad, or the next op's backward, would otherwise make that copy itself: on the
+// CPU into fresh 4 KiB pages, on CUDA through torch's copy, which reads a sector for each value
+// (BENCHMARKS.md, "CPU channels_last gradients", "CUDA channels_last gradients").
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
@@ -68,10 +69,10 @@ const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)>& to_channels_last_
   return op;
 }
 
-// Whether the gradient of `input` goes back channels_last: a CPU input stored that way (and
-// not NCHW-contiguous as well, as a map with one channel or one pixel is).
+// Whether the gradient of `input` goes back channels_last: a CPU or CUDA input stored that way
+// (and not NCHW-contiguous as well, as a map with one channel or one pixel is).
 bool channels_last_grad(const at::Tensor& input) {
-  return input.is_cpu() && input.dim() == 4 && !input.is_contiguous() &&
+  return (input.is_cpu() || input.is_cuda()) && input.dim() == 4 && !input.is_contiguous() &&
       input.is_contiguous(at::MemoryFormat::ChannelsLast);
 }
 
