@@ -143,8 +143,8 @@ def _roi_align_backward_fake(
 
 @torch.library.register_fake("detops::_to_channels_last")
 def _to_channels_last_fake(input: Tensor) -> Tensor:
-    # the layout in which roi_align's and roi_pool's autograd return a CPU channels_last
-    # input's gradient
+    # the layout in which roi_align's and roi_pool's autograd return a channels_last input's
+    # gradient
     torch._check(
         input.dim() == 4,
         lambda: f"detops._to_channels_last: input must be a [B, C, H, W] tensor, got {list(input.shape)}",
