@@ -96,10 +96,10 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_every_value_at_its_place(dtype):
-    """Square tiles of 32 values a side, or of 64 and 128 where each lane moves 2 or 4 values
-    (channels and pixels divisible by that): shapes with partial tiles on either axis, one of
-    each, exactly one tile, counts divisible by 2 but not 4, one channel or one pixel (a plain
-    copy); 16-byte complex128 through torch's copy."""
+    """Square tiles of 32 values a side, or of 64 and 128 where each lane moves 2 values (4 for
+    1-byte values; channels and pixels divisible by that): shapes with partial tiles on either
+    axis, one of each, exactly one tile, counts divisible by 2 but not 4, one channel or one
+    pixel (a plain copy); 16-byte complex128 through torch's copy."""
     extra = [(2, 32, 4, 8), (1, 33, 1, 33), (2, 64, 3, 100), (1, 300, 7, 5), (4, 3, 2, 1), (2, 130, 6, 22),
              (3, 256, 10, 30), (1, 128, 8, 16), (2, 6, 1, 2)]
     for shape in SHAPES + extra:
@@ -138,7 +138,7 @@ def test_cuda_input_layouts_and_offsets():
 @pytest.mark.cuda
 def test_cuda_more_images_than_one_grid_axis():
     """More than 65535 images: the kernel's blocks loop over the images past its grid (a value a
-    lane, and four)."""
+    lane, and two)."""
     for shape in ((70000, 3, 2, 5), (70000, 4, 1, 4)):
         x = values(shape, torch.float16, seed=2).cuda()
         y = op(x)
