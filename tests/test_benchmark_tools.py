@@ -210,3 +210,20 @@ def test_cpu_scaling_vectors_stops_where_choices_disagree(monkeypatch):
     with pytest.raises(SystemExit, match="values under cpu_vector\\('scalar'\\) differs from 'avx2'"):
         cpu_scaling.vectors(["avx2", "scalar"], 1, 1, 2)
     assert _C._set_cpu_vector("auto") == "auto"
+
+
+def test_transpose_variants_take_the_library_kernel():
+    """benchmarks/transpose_variants.py compiles the library's transpose kernel from
+    csrc/cuda/to_channels_last.cu in other shapes: the text between its markers is that kernel,
+    and the shapes the library launches are among the variants it times."""
+    from benchmarks import transpose_variants as tv
+
+    kernel = tv.library_kernel()
+    assert "__global__ void __launch_bounds__(kLanes * Rows, MinBlocks) nchw_to_nhwc_kernel(" in kernel
+    assert "void launch_transpose" not in kernel and "TORCH_LIBRARY_IMPL" not in kernel
+    source = tv.source()
+    assert kernel in source and "@" not in source.replace(kernel, "")
+    library = tv.LIBRARY.read_text()
+    # 4 and 8-byte values: K2 R4; 2-byte values: K2 R8 with at least 4 blocks an SM
+    assert "launch_transpose<Bits, K, 4, 1>" in library and "launch_transpose<Bits, K, 8, 4>" in library
+    assert (2, 4, 1) in tv.VARIANTS[4] and (2, 8, 4) in tv.VARIANTS[2]
