@@ -14,10 +14,11 @@ fastest ("BENCHMARKS.md", "CUDA channels_last gradients"). Needs nvcc and ninja
 from __future__ import annotations
 
 import pathlib
-import statistics
 
 import torch
 from torch.utils.cpp_extension import load_inline
+
+from benchmarks.channels_last_grad import timer  # (loads detops, whose _to_channels_last runs last)
 
 # (K, R, N) for 4-byte and for 2-byte values; N = 1 sets no minimum
 VARIANTS = {
@@ -85,22 +86,6 @@ def cases(size: int) -> str:
         f"case {i}: launch<B, {k}, {r}, {n}>(x, y); break;" for i, (k, r, n) in enumerate(VARIANTS[size]))
 
 
-def queued_us(fn, calls: int = 20, rounds: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
-
-
 def name(k: int, r: int, n: int) -> str:
     return f"K{k} R{r}" + (f" lb {n}" if n > 1 else "")
 
@@ -110,6 +95,7 @@ def main() -> None:
         "detops_transpose_variants", cpp_sources="void run(at::Tensor x, at::Tensor y, int64_t variant);",
         cuda_sources=source(), functions=["run"],
         extra_cflags=["-O3", "-std=c++20"], extra_cuda_cflags=["-O3", "-std=c++20"])
+    queued_us = timer("cuda", calls=20, rounds=15)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; µs, queued")
     for dtype in (torch.float32, torch.bfloat16):
         for shape in MAPS:
@@ -128,6 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import detops  # noqa: F401  (loads _to_channels_last)
-
     main()
