@@ -18,7 +18,7 @@ import pathlib
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from benchmarks.channels_last_grad import timer  # (loads detops, whose _to_channels_last runs last)
+from benchmarks.channels_last_grad import timer  # importing it loads detops and its ops
 
 # (K, R, N) for 4-byte and for 2-byte values; N = 1 sets no minimum
 VARIANTS = {
