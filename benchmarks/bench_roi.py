@@ -147,7 +147,7 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                 rows += _fwd_rows("roi_align", tag, device, ours, theirs if tv_ok else None, x, rois, grad, runs)
                 if device == "cuda" and dtype == torch.float32:
                     xcl = x.contiguous(memory_format=torch.channels_last)
-                    rows.append(compare(f"roi_align fwd, channels_last input, {tag}", device, lambda: ours(xcl, rois), lambda: theirs(xcl, rois), **runs))
+                    rows += _fwd_rows("roi_align", tag, device, ours, theirs, xcl, rois, grad, runs, layout=", channels_last input")
                     torch.use_deterministic_algorithms(True)
                     try:
                         rows.append(compare(f"roi_align fwd+bwd deterministic, {tag}", device, lambda: fwd_bwd(ours, x, rois, grad), None, **runs))
