@@ -14,10 +14,11 @@ The first form times detops' CPU roi_align / roi_pool on the small map of `bench
 (2x64x100x152, 256 RoIs) and on the CUDA cases' map (2x256x200x304, 1024 RoIs), 7x7 bins,
 printing one line per thread count: run it once per build, alternating builds, to compare them
 on one noisy machine. Cases ending in "_cl" take the map channels_last; the "fwd+bwd" cases run
-the op and its backward through autograd with the map as a leaf. The case "ref" is torch's own
-`digamma` over 512 K floats: equal chunks of computation on data that stays in cache, with no
-shared writes, about as long on one thread as the small forward, so its scaling is what the
-machine gives a threaded call of that length.
+the op and its backward through autograd with the map as a leaf; "pool_argmax", "pool_bwd" and
+"pool_argmax+bwd" are roi_pool's forward+backward in parts, without autograd. The case "ref"
+is torch's own `digamma` over 512 K floats: equal chunks of computation on data that stays in
+cache, with no shared writes, about as long on one thread as the small forward, so its scaling
+is what the machine gives a threaded call of that length.
 The --ratio form alternates one thread and N threads in rounds within one process and prints
 each round's one-thread median over its N-thread median, then the median of those ratios: a
 machine's speed drifts between processes and within one, and two medians taken seconds apart
@@ -72,6 +73,9 @@ def cases() -> List[Tuple[str, Callable[[], object], int]]:
     align = lambda a, r: detops.ops.roi_align(a, r, 7, 0.25, 2, True)  # noqa: E731
     pool = lambda a, r: detops.ops.roi_pool(a, r, 7, 0.25)  # noqa: E731
     backward = torch.ops.detops._roi_align_backward
+    argmax = torch.ops.detops.roi_pool(x, rois, 0.25, 7, 7)[1]
+    pool_backward = lambda a: torch.ops.detops._roi_pool_backward(  # noqa: E731
+        grad, rois, a, 0.25, 7, 7, 2, 64, 100, 152)
     return [
         ("fwd", lambda: align(x, rois), 20),
         ("bwd", lambda: backward(grad, rois, 0.25, 7, 7, 2, 64, 100, 152, 2, True), 20),
@@ -79,6 +83,12 @@ def cases() -> List[Tuple[str, Callable[[], object], int]]:
         ("fwd_cl", lambda: align(xcl, rois), 20),
         ("pool_fwd", lambda: pool(x, rois), 20),
         ("pool_fwd+bwd", lambda: fwd_bwd(pool, x, rois, grad), 20),
+        # roi_pool's forward+backward in parts, without autograd: the forward with argmax; the
+        # backward op on an argmax computed once; the two in turn, the backward reading the
+        # argmax the forward's threads just wrote
+        ("pool_argmax", lambda: torch.ops.detops.roi_pool(x, rois, 0.25, 7, 7), 20),
+        ("pool_bwd", lambda: pool_backward(argmax), 20),
+        ("pool_argmax+bwd", lambda: pool_backward(torch.ops.detops.roi_pool(x, rois, 0.25, 7, 7)[1]), 20),
         ("large_fwd", lambda: align(big_x, big_rois), 5),
         ("large_bwd", lambda: backward(big_grad, big_rois, 0.25, 7, 7, 2, 256, 200, 304, 2, True), 5),
         ("large_pool_fwd", lambda: pool(big_x, big_rois), 5),

@@ -180,6 +180,20 @@ def test_cpu_scaling_pinned_workers_pin_run_cases_and_close():
     assert all(p.returncode == 0 for p in procs)
 
 
+def test_cpu_scaling_roi_pool_parts_give_the_forward_backward_gradient():
+    """The parts of roi_pool's forward+backward that --versus can time one by one: the forward
+    with argmax, the backward op on a saved argmax, and the two in turn, each the same kernels
+    and gradient as the case through autograd."""
+    from benchmarks import cpu_scaling
+
+    fns = {name: fn for name, fn, _ in cpu_scaling.cases()}
+    whole = fns["pool_fwd+bwd"]()
+    out, argmax = fns["pool_argmax"]()
+    assert out.shape == argmax.shape == (256, 64, 7, 7) and argmax.dtype == torch.int32
+    for part in ("pool_bwd", "pool_argmax+bwd"):
+        assert torch.equal(fns[part](), whole), part
+
+
 def test_cpu_scaling_vectors_times_each_choice_and_restores_threads(capsys):
     from benchmarks import cpu_scaling
     from detops import _C
