@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "cpu/output_cache.h"
 #include "detops.h"
 
 #ifdef DETOPS_WITH_PYTHON
@@ -266,6 +267,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       &detops::ops::set_cpu_vector,
       "choose the instructions of the CPU roi_pool forward ('auto', 'sse2', 'scalar', 'avx2', "
       "'avx512'); returns the previous choice");
+  m.def(
+      "_set_cpu_output_cache",
+      [](int64_t bytes) {
+        TORCH_CHECK(bytes >= 0, "detops._C._set_cpu_output_cache: bytes must be >= 0, got ", bytes);
+        return static_cast<int64_t>(detops::cpu::OutputCache::get().set_limit(static_cast<size_t>(bytes)));
+      },
+      "keep at most this many bytes of the CPU kernels' freed output buffers for reuse (0: none, "
+      "and give back those kept); returns the previous limit",
+      py::arg("bytes"));
+  m.def(
+      "_cpu_output_cache_bytes", []() { return static_cast<int64_t>(detops::cpu::OutputCache::get().kept_bytes()); },
+      "bytes of freed CPU output buffers kept for reuse now");
   m.def("torch_version", []() { return std::string(DETOPS_TORCH_VERSION); },
         "the torch version this extension was built against");
 }

@@ -2,7 +2,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
+#include <c10/util/accumulate.h>
+
+#include "output_cache.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -83,12 +87,24 @@ inline void map_pages(uintptr_t begin, uintptr_t end) {
 // took 2.5-4% less time without that step (BENCHMARKS.md, "The large maps at 16 threads").
 enum class FirstWrites { kAnywhere, kOwnRanges };
 
+// With the OutputCache on (output_cache.h), an output of kCacheMinBytes or more takes its
+// buffer from it; a kept buffer is mapped already.
 inline at::Tensor empty_output(
     at::IntArrayRef sizes, const at::TensorOptions& options,
     FirstWrites first_writes = FirstWrites::kAnywhere) {
-  at::Tensor t = at::empty(sizes, options);
-  const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-  if (bytes < kHugePageMinBytes) return t;
+  const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(options.dtype().itemsize());
+  OutputCache& cache = OutputCache::get();
+  at::Tensor t;
+  bool reused = false;
+  if (bytes >= static_cast<int64_t>(kCacheMinBytes) && cache.limit() > 0) {
+    t = at::detail::empty_generic(
+        sizes, &cache, c10::DispatchKeySet(c10::DispatchKey::CPU), options.dtype().toScalarType(),
+        options.memory_format_opt());
+    reused = OutputCache::last_reused();
+  } else {
+    t = at::empty(sizes, options);
+  }
+  if (bytes < kHugePageMinBytes || reused) return t;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
   const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)

@@ -102,9 +102,25 @@ TEST(EmptyOutput, ALargeOutputIsMappedBeforeAThreadedKernel) {
 #endif
 }
 
+// The output cache emptied and set to `bytes` for a test, then set back.
+class CacheLimit {
+ public:
+  explicit CacheLimit(size_t bytes) : previous_(detops::cpu::OutputCache::get().set_limit(0)) {
+    detops::cpu::OutputCache::get().set_limit(bytes);
+  }
+  ~CacheLimit() {
+    detops::cpu::OutputCache::get().set_limit(0);
+    detops::cpu::OutputCache::get().set_limit(previous_);
+  }
+
+ private:
+  size_t previous_;
+};
+
 TEST(EmptyOutput, AnOutputWrittenByTasksInRangesOfTheirOwnIsLeftToThem) {
 #if defined(__linux__)
   ThreadCount count(3);
+  CacheLimit none(0);  // a fresh buffer, not one an earlier test freed
   // 40 MiB, past the 32 MiB from which glibc always maps an allocation anew (a smaller one may
   // reuse memory a test before wrote)
   const at::Tensor t = detops::cpu::empty_output(
@@ -122,6 +138,25 @@ TEST(EmptyOutput, AnOutputWrittenByTasksInRangesOfTheirOwnIsLeftToThem) {
 #else
   GTEST_SKIP() << "mincore is Linux's";
 #endif
+}
+
+TEST(OutputCache, AFreedOutputIsKeptAndItsMappedBufferReused) {
+  CacheLimit limit(size_t{64} << 20);
+  const at::TensorOptions floats = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor t = detops::cpu::empty_output({3, 1 << 20}, floats);  // 12 MiB
+  EXPECT_FALSE(detops::cpu::OutputCache::last_reused());
+  t.fill_(1.0f);
+  void* const ptr = t.data_ptr();
+  t.reset();
+  EXPECT_GE(detops::cpu::OutputCache::get().kept_bytes(), size_t{12} << 20);
+  at::Tensor u = detops::cpu::empty_output({3, 1 << 20}, floats);
+  EXPECT_TRUE(detops::cpu::OutputCache::last_reused());
+  EXPECT_EQ(u.data_ptr(), ptr);
+  EXPECT_EQ(detops::cpu::OutputCache::get().kept_bytes(), size_t{0});
+  // channels_last strides through the cache's allocator
+  at::Tensor cl = detops::cpu::empty_output({2, 64, 100, 80}, floats.memory_format(at::MemoryFormat::ChannelsLast));
+  EXPECT_TRUE(cl.is_contiguous(at::MemoryFormat::ChannelsLast));
+  EXPECT_FALSE(cl.is_contiguous());
 }
 
 }  // namespace

@@ -1,0 +1,201 @@
+// Buffers of the CPU kernels' large outputs, kept for reuse after the tensors that held them
+// are freed: off unless DETOPS_CPU_OUTPUT_CACHE_MB asks for it.
+//
+// torch's CPU allocator hands each tensor to malloc and each freed tensor back to it. With
+// glibc, a buffer of a few MiB comes from the top of the heap, and freeing buffers there
+// returns the top of the heap to the OS once more than the trim threshold lies free (twice
+// the mmap threshold, which grows with the buffers freed): the next call's outputs then fault
+// on fresh pages, each zeroed by the OS. Whether that happens depends on what else the process
+// freed before, so it comes and goes between processes: a roi_pool forward+backward on a
+// 2x64x100x152 map frees a 7.8 MB gradient, a 3.2 MB output and a 3.2 MB argmax each call,
+// and some processes took 140-190 faults a call at 16 threads and 160-940 at one, others none.
+// On the machines measured, keeping the buffers took those faults away without changing the
+// 16-thread call's time beyond the machine's drift (BENCHMARKS.md, "Page faults of freed
+// outputs"), so the cache is off by default; where page faults cost more (other kernels,
+// other virtual machines), DETOPS_CPU_OUTPUT_CACHE_MB=256 turns it on.
+//
+// The cache keeps up to kCacheMaxBlocks freed buffers of kCacheMinBytes or more, at most
+// limit() bytes in all (DETOPS_CPU_OUTPUT_CACHE_MB, in MiB, read once; 0, the default, keeps
+// none), and gives an output the smallest kept buffer that holds it with at most an eighth to
+// spare. A buffer freed past the limit pushes out the longest kept ones; one larger than the
+// limit is freed at once. The buffers come from torch's own c10::alloc_cpu, so a tensor made
+// here is like one of at::empty's: aligned alike, resizable, and freed from any thread. A
+// kept buffer's pages are mapped already, so empty_output neither advises huge pages for it
+// nor maps it again; under deterministic algorithms its outputs skip torch's NaN fill of
+// uninitialized memory, since the kernels write every element.
+#pragma once
+
+#include <c10/core/Allocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace detops {
+namespace cpu {
+
+// Outputs smaller than this take torch's allocator.
+constexpr size_t kCacheMinBytes = size_t{1} << 20;
+// Buffers kept at most.
+constexpr size_t kCacheMaxBlocks = 16;
+// Bytes kept at most unless DETOPS_CPU_OUTPUT_CACHE_MB says otherwise: none.
+constexpr size_t kCacheDefaultLimit = 0;
+
+class OutputCache final : public c10::Allocator {
+ public:
+  // The process's cache. It is never destroyed: tensors may be freed while the process exits.
+  static OutputCache& get() {
+    static OutputCache* cache = new OutputCache(limit_from_env());
+    return *cache;
+  }
+
+  c10::DataPtr allocate(size_t n) override {
+    Block* block = take(n);
+    reused_ = block != nullptr;
+    if (block == nullptr) {
+      const size_t size = round_up(n);
+      void* ptr = nullptr;
+      try {
+        ptr = c10::alloc_cpu(size);
+      } catch (const c10::Error&) {
+        drop(take_all());  // out of memory: give back the kept buffers and try once more
+        ptr = c10::alloc_cpu(size);
+      }
+      block = new Block{ptr, size};
+    }
+    return {block->ptr, block, &OutputCache::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  // Whether this thread's last allocate() gave a kept buffer (its pages already mapped).
+  static bool last_reused() { return reused_; }
+
+  // Sets the bytes kept at most, giving back the buffers past it; returns the previous limit.
+  size_t set_limit(size_t bytes) {
+    std::vector<Block*> out;
+    size_t previous;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      previous = limit_;
+      limit_ = bytes;
+      evict(0, out);
+    }
+    drop(out);
+    return previous;
+  }
+
+  size_t limit() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return limit_;
+  }
+
+  // Bytes kept now.
+  size_t kept_bytes() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return kept_;
+  }
+
+ private:
+  struct Block {
+    void* ptr;
+    size_t size;
+  };
+
+  static constexpr size_t kGrain = 64 << 10;  // sizes rounded up to this, so near sizes share buffers
+
+  explicit OutputCache(size_t limit) : limit_(limit) {}
+
+  static size_t round_up(size_t n) { return (n + kGrain - 1) / kGrain * kGrain; }
+
+  static size_t limit_from_env() {
+    const char* text = std::getenv("DETOPS_CPU_OUTPUT_CACHE_MB");
+    if (text == nullptr || *text == '\0') return kCacheDefaultLimit;
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long mib = std::strtoull(text, &end, 10);
+    TORCH_CHECK(
+        *end == '\0' && errno == 0 && text[0] != '-' && mib <= (SIZE_MAX >> 20),
+        "detops: DETOPS_CPU_OUTPUT_CACHE_MB must be a whole number of MiB (0 keeps no buffers), got '",
+        std::string(text), "'");
+    return static_cast<size_t>(mib) << 20;
+  }
+
+  // The smallest kept buffer of n bytes or more with at most an eighth to spare, taken out.
+  Block* take(size_t n) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t best = blocks_.size();
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+      const size_t size = blocks_[i]->size;
+      if (size >= n && size - n <= n / 8 + kGrain && (best == blocks_.size() || size < blocks_[best]->size)) {
+        best = i;
+      }
+    }
+    if (best == blocks_.size()) return nullptr;
+    Block* block = blocks_[best];
+    blocks_.erase(blocks_.begin() + static_cast<std::ptrdiff_t>(best));
+    kept_ -= block->size;
+    return block;
+  }
+
+  std::vector<Block*> take_all() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<Block*> out;
+    out.swap(blocks_);
+    kept_ = 0;
+    return out;
+  }
+
+  // Moves the longest kept buffers to `out` until `incoming` more bytes and one more buffer fit
+  // (incoming 0: until the kept ones fit). Holds mutex_.
+  void evict(size_t incoming, std::vector<Block*>& out) {
+    size_t first = 0;
+    const size_t room = incoming > 0 ? kCacheMaxBlocks - 1 : kCacheMaxBlocks;
+    while (first < blocks_.size() && (kept_ + incoming > limit_ || blocks_.size() - first > room)) {
+      kept_ -= blocks_[first]->size;
+      out.push_back(blocks_[first++]);
+    }
+    blocks_.erase(blocks_.begin(), blocks_.begin() + static_cast<std::ptrdiff_t>(first));
+  }
+
+  static void drop(const std::vector<Block*>& blocks) {
+    for (Block* block : blocks) {
+      c10::free_cpu(block->ptr);
+      delete block;
+    }
+  }
+
+  // A tensor's buffer, freed: kept where it fits under the limit, given back otherwise.
+  static void release(void* ctx) {
+    OutputCache& cache = get();
+    Block* block = static_cast<Block*>(ctx);
+    std::vector<Block*> out;
+    {
+      std::lock_guard<std::mutex> lock(cache.mutex_);
+      if (block->size <= cache.limit_) {
+        cache.evict(block->size, out);
+        cache.blocks_.push_back(block);
+        cache.kept_ += block->size;
+        block = nullptr;
+      }
+    }
+    drop(out);
+    if (block != nullptr) drop({block});
+  }
+
+  mutable std::mutex mutex_;
+  size_t limit_;
+  size_t kept_ = 0;
+  std::vector<Block*> blocks_;  // kept buffers, longest kept first
+  static inline thread_local bool reused_ = false;
+};
+
+}  // namespace cpu
+}  // namespace detops
