@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -389,15 +390,23 @@ def vectors(choices: List[str], threads: int, rounds: int, calls: int, large: bo
     return med
 
 
-def window_ms(fn: Callable[[], object], seconds: float) -> float:
-    """The median per call, in ms, of fn run back to back for `seconds` (at least 3 calls)."""
+def window(fn: Callable[[], object], seconds: float) -> Tuple[float, float]:
+    """fn run back to back for `seconds` (at least 3 calls): the median per call in ms, and the
+    process's page faults per call (minor ones: pages the OS maps on first touch)."""
     times: List[float] = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or len(times) < 3:
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return statistics.median(times), faults / len(times)
+
+
+def window_ms(fn: Callable[[], object], seconds: float) -> float:
+    """The median per call, in ms, of fn run back to back for `seconds` (at least 3 calls)."""
+    return window(fn, seconds)[0]
 
 
 def versus_round(one: float, threaded: float, processes: List[float]) -> Tuple[float, float, float, float]:
@@ -429,19 +438,20 @@ def versus(names: Optional[List[str]], n: int, rounds: int, seconds: float) -> N
                     window_ms(fn, 0.2)
                 rows = []
                 for r in range(rounds):
-                    got = {}
+                    got, faults = {}, {}
                     for phase in [("processes", "threaded", "one")[(r + i) % 3] for i in range(3)]:
                         if phase == "processes":
                             got[phase] = list(workers.run(name, cores[:n], seconds).values())
                         else:
                             torch.set_num_threads(n if phase == "threaded" else 1)
-                            got[phase] = window_ms(fn, seconds)
+                            got[phase], faults[phase] = window(fn, seconds)
                         time.sleep(0.05)  # the threaded call's idle threads stop spinning
                     split, scaling, procs, share = versus_round(got["one"], got["threaded"], got["processes"])
                     rows.append((scaling, procs, share))
                     print(f"{name} round {r + 1}: 1 thread {got['one']:.3f} ms, {n} threads {got['threaded']:.3f} ms, "
                           f"{n} processes as one call split over them {split:.3f} ms; threads {scaling:.2f}x, "
-                          f"processes {procs:.2f}x one thread; threads get {share:.2f} of the processes' throughput",
+                          f"processes {procs:.2f}x one thread; threads get {share:.2f} of the processes' throughput; "
+                          f"page faults a call {faults['threaded']:.0f} threaded, {faults['one']:.0f} one thread",
                           flush=True)
                 med = [statistics.median(v) for v in zip(*rows)]
                 lo, hi = [min(v) for v in zip(*rows)], [max(v) for v in zip(*rows)]
