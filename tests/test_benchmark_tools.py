@@ -158,7 +158,8 @@ def test_cpu_scaling_versus_runs_pinned_processes_and_restores_threads(capsys):
     assert torch.get_num_threads() == threads
     out = capsys.readouterr().out.splitlines()
     for name in ("ref", "fwd"):
-        assert len([line for line in out if line.startswith(f"{name} round ")]) == 2
+        rounds = [line for line in out if line.startswith(f"{name} round ")]
+        assert len(rounds) == 2 and all("page faults a call" in line for line in rounds)
         summary = [line for line in out if line.startswith(f"{name}: 2 threads ")]
         assert len(summary) == 1 and "of the processes' throughput" in summary[0]
     with pytest.raises(SystemExit, match="unknown cases"):
