@@ -105,6 +105,11 @@ def test_cached_outputs_resize_and_free_from_other_threads(cache):
     expected = y.clone()
     y.resize_(300, 64, 7, 7)  # a new, larger buffer from the cache's allocator; the values move
     assert torch.equal(y[:256], expected)
+    storage = align(x, rois).untyped_storage()
+    storage.resize_(1000)  # a buffer of less than 1 MiB from the cache's allocator
+    kept = _C._cpu_output_cache_bytes()
+    del storage
+    assert _C._cpu_output_cache_bytes() == kept  # freed, not kept
     holder = [y]
     del y
     before = _C._cpu_output_cache_bytes()

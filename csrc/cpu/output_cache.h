@@ -172,14 +172,15 @@ class OutputCache final : public c10::Allocator {
     }
   }
 
-  // A tensor's buffer, freed: kept where it fits under the limit, given back otherwise.
+  // A tensor's buffer, freed: kept where it fits under the limit, given back otherwise (and
+  // where it is smaller than kCacheMinBytes: a storage resized to less through this allocator).
   static void release(void* ctx) {
     OutputCache& cache = get();
     Block* block = static_cast<Block*>(ctx);
     std::vector<Block*> out;
     {
       std::lock_guard<std::mutex> lock(cache.mutex_);
-      if (block->size <= cache.limit_) {
+      if (block->size >= kCacheMinBytes && block->size <= cache.limit_) {
         cache.evict(block->size, out);
         cache.blocks_.push_back(block);
         cache.kept_ += block->size;
