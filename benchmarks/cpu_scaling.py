@@ -74,7 +74,8 @@ def cases() -> List[Tuple[str, Callable[[], object], int]]:
     align = lambda a, r: detops.ops.roi_align(a, r, 7, 0.25, 2, True)  # noqa: E731
     pool = lambda a, r: detops.ops.roi_pool(a, r, 7, 0.25)  # noqa: E731
     backward = torch.ops.detops._roi_align_backward
-    argmax = torch.ops.detops.roi_pool(x, rois, 0.25, 7, 7)[1]
+    pool_argmax = lambda: torch.ops.detops.roi_pool(x, rois, 0.25, 7, 7)  # noqa: E731  (output, argmax)
+    argmax = pool_argmax()[1]
     pool_backward = lambda a: torch.ops.detops._roi_pool_backward(  # noqa: E731
         grad, rois, a, 0.25, 7, 7, 2, 64, 100, 152)
     return [
@@ -87,9 +88,9 @@ def cases() -> List[Tuple[str, Callable[[], object], int]]:
         # roi_pool's forward+backward in parts, without autograd: the forward with argmax; the
         # backward op on an argmax computed once; the two in turn, the backward reading the
         # argmax the forward's threads just wrote
-        ("pool_argmax", lambda: torch.ops.detops.roi_pool(x, rois, 0.25, 7, 7), 20),
+        ("pool_argmax", pool_argmax, 20),
         ("pool_bwd", lambda: pool_backward(argmax), 20),
-        ("pool_argmax+bwd", lambda: pool_backward(torch.ops.detops.roi_pool(x, rois, 0.25, 7, 7)[1]), 20),
+        ("pool_argmax+bwd", lambda: pool_backward(pool_argmax()[1]), 20),
         ("large_fwd", lambda: align(big_x, big_rois), 5),
         ("large_bwd", lambda: backward(big_grad, big_rois, 0.25, 7, 7, 2, 256, 200, 304, 2, True), 5),
         ("large_pool_fwd", lambda: pool(big_x, big_rois), 5),
