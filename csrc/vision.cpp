@@ -213,7 +213,7 @@ void def_choice(
           if (name == names[i]) choice = static_cast<int>(i);
           listed += (i == 0 ? "'" : i + 1 == names.size() ? " or '" : ", '") + names[i] + "'";
         }
-        TORCH_CHECK(choice >= 0, "detops.", fn, ": ", arg, " must be ", listed, ", got '", name, "'");
+        DETOPS_CHECK(choice >= 0, "detops.", fn, ": ", arg, " must be ", listed, ", got '", name, "'");
         const Choice previous = set(static_cast<Choice>(choice));
         return names[static_cast<size_t>(previous)];
       },
@@ -270,7 +270,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "_set_cpu_output_cache",
       [](int64_t bytes) {
-        TORCH_CHECK(bytes >= 0, "detops._C._set_cpu_output_cache: bytes must be >= 0, got ", bytes);
+        DETOPS_CHECK(bytes >= 0, "detops._C._set_cpu_output_cache: bytes must be >= 0, got ", bytes);
         return static_cast<int64_t>(detops::cpu::OutputCache::get().set_limit(static_cast<size_t>(bytes)));
       },
       "keep at most this many bytes of the CPU kernels' freed output buffers for reuse (0: none, "

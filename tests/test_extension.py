@@ -93,3 +93,26 @@ def test_cuda_kernel_reached_with_wrong_tensors_explains():
     expected = "must be a CUDA tensor" if detops._C.with_cuda() else "built without CUDA kernels.*FORCE_CUDA=1"
     with pytest.raises(RuntimeError, match="detops.nms: .*" + expected):
         torch.ops.detops.nms.default.redispatch(keyset, boxes, scores, 0.5)
+
+
+def test_error_checks_build_their_messages_without_ostream():
+    """TORCH_CHECK formats its message's numbers through std::ostream, which crashes the process
+    with some pairings of a torch wheel and the system's libstdc++ (csrc/common/checks.h): a
+    negative `_C._set_cpu_output_cache` did so under torch 2.11 on an H200 machine. Every check
+    in csrc goes through DETOPS_CHECK, whose message never touches an ostream."""
+    import os
+    import re
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+    found = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if not name.endswith((".h", ".cpp", ".cu", ".cuh")):
+                continue
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                for number, line in enumerate(f, 1):
+                    code = line.split("//", 1)[0]
+                    if re.search(r"\bTORCH_CHECK(_[A-Z]+)?\s*\(", code) and "#define DETOPS_CHECK" not in code:
+                        found.append(f"{os.path.relpath(path, root)}:{number}: {line.strip()}")
+    assert not found, "TORCH_CHECK outside DETOPS_CHECK:\n" + "\n".join(found)

@@ -19,6 +19,8 @@
 
 #include <vector>
 
+#include "../common/checks.h"
+
 namespace detops {
 namespace ops {
 namespace {
@@ -90,7 +92,7 @@ std::vector<c10::SymInt> saved_shape(AutogradContext* ctx) {
 }
 
 [[noreturn]] void no_double_backward(const char* op, const char* backward_op) {
-  TORCH_CHECK(false, op, ": double backward (the gradient of ", backward_op, ") is not supported");
+  DETOPS_CHECK(false, op, ": double backward (the gradient of ", backward_op, ") is not supported");
 }
 
 class RoIAlignFunction : public torch::autograd::Function<RoIAlignFunction> {

@@ -36,6 +36,8 @@
 #include <string>
 #include <vector>
 
+#include "../common/checks.h"
+
 namespace detops {
 namespace cpu {
 
@@ -121,7 +123,7 @@ class OutputCache final : public c10::Allocator {
     char* end = nullptr;
     errno = 0;
     const unsigned long long mib = std::strtoull(text, &end, 10);
-    TORCH_CHECK(
+    DETOPS_CHECK(
         *end == '\0' && errno == 0 && text[0] != '-' && mib <= (SIZE_MAX >> 20),
         "detops: DETOPS_CPU_OUTPUT_CACHE_MB must be a whole number of MiB (0 keeps no buffers), got '",
         std::string(text), "'");
