@@ -9,6 +9,8 @@
     python -m benchmarks.cpu_scaling --versus 16 --seconds 0.3   # threads against processes
     python -m benchmarks.cpu_scaling --vectors avx2,auto --threads 1,16 --rounds 4  # roi_pool lanes
     python -m benchmarks.cpu_scaling --threads 1,16 --cases large_fwd+bwd,large_fwd+bwd_cl  # layouts
+    python -m benchmarks.cpu_scaling --faults 16                 # fresh pages: threads against processes
+    python -m benchmarks.cpu_scaling --cache-ab 64 --threads 16 --cases pool_fwd+bwd  # output cache off / on
 
 The first form times detops' CPU roi_align / roi_pool on the small map of `bench_roi`
 (2x64x100x152, 256 RoIs) and on the CUDA cases' map (2x256x200x304, 1024 RoIs), 7x7 bins,
@@ -39,7 +41,14 @@ second apart, is how much of what the machine gives independent work the call ge
 --vectors form times the roi_pool forwards (values alone and with argmax, NCHW and
 channels_last; the small map, or the large one with --large) under each named `cpu_vector`
 choice in turn, in rounds within one process, at each of --threads, and checks that every
-choice gives the first one's bits.
+choice gives the first one's bits. The --faults form times the first writes to fresh memory (a
+page fault each 4 KiB page, which the OS zeroes) against writing the same memory again: by one
+thread, by N threads of one process, and by one thread in each of N processes at once. The
+threads of one process fault in one address space and queue behind each other there; processes
+do not, so an output that faults costs a threaded call more than the processes that split it.
+The --cache-ab form alternates the CPU output cache (README, DETOPS_CPU_OUTPUT_CACHE_MB) off and
+on with the given MiB in rounds within one process, at each of --threads, and prints per case
+the medians, the on/off ratio of each round's pair of windows and the page faults per call.
 """
 from __future__ import annotations
 
@@ -464,6 +473,113 @@ def versus(names: Optional[List[str]], n: int, rounds: int, seconds: float) -> N
         torch.set_num_threads(threads)
 
 
+def fresh_pages(mib: int, reps: int) -> Tuple[float, float]:
+    """Medians over reps fresh anonymous mappings of `mib` MiB, each filled with torch's fill_
+    at the current thread count, then filled again: ms of the first fill and of the second. The
+    first maps every page (a fault that zeroes it), the second only writes."""
+    import mmap
+
+    first, again = [], []
+    for _ in range(reps):
+        m = mmap.mmap(-1, mib << 20)
+        t = torch.frombuffer(m, dtype=torch.float32)
+        t0 = time.perf_counter()
+        t.fill_(1.0)
+        t1 = time.perf_counter()
+        t.fill_(2.0)
+        first.append((t1 - t0) * 1e3)
+        again.append((time.perf_counter() - t1) * 1e3)
+        del t
+        m.close()
+    return statistics.median(first), statistics.median(again)
+
+
+def page_us(mib: int, first_ms: float, again_ms: float) -> float:
+    """What mapping one 4 KiB page added to a fill of `mib` MiB, in us of wall time."""
+    return max(first_ms - again_ms, 0.0) * 1e3 / ((mib << 20) // 4096)
+
+
+# One process of the --faults form: from START (time.time()) it times fresh_pages on one thread
+# and prints the us a page added.
+_FAULT_WORKER = r"""
+import sys, time, torch
+torch.set_num_threads(1)
+from benchmarks.cpu_scaling import fresh_pages, page_us
+mib, start, reps = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+while time.time() < start:
+    time.sleep(0.001)
+print(page_us(mib, *fresh_pages(mib, reps)), flush=True)
+"""
+
+
+def faults(n: int, mib: int = 8, reps: int = 15, lead: float = 5.0) -> None:
+    """First writes to fresh memory: one thread, n threads of one process, and one thread in
+    each of n processes at once, each on its own `mib` MiB mappings; per page, the us of wall
+    time the faults added and the us of thread time (wall times threads), and the pages mapped
+    per us together. The processes start timing together `lead` seconds after they start."""
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, n):
+            torch.set_num_threads(t)
+            fresh_pages(mib, 2)
+            first, again = fresh_pages(mib, reps)
+            us = page_us(mib, first, again)
+            print(f"fresh pages, {t:2d} thread{'s' if t > 1 else ''} of one process: first fill of {mib} MiB "
+                  f"{first:.3f} ms, again {again:.3f} ms; {us:.3f} us a page ({us * t:.3f} us of thread "
+                  f"time), {1 / us if us else float('inf'):.2f} pages a us", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    for p in (1, n):
+        start = time.time() + lead + 0.2 * p  # every process has loaded torch by then
+        procs = [subprocess.Popen([sys.executable, "-c", _FAULT_WORKER, str(mib), str(start), str(reps)],
+                                  stdout=subprocess.PIPE, text=True, cwd=_ROOT) for _ in range(p)]
+        per_page = [float(q.communicate()[0].split()[-1]) for q in procs]
+        if any(q.returncode for q in procs):
+            raise SystemExit("cpu_scaling: a --faults process failed")
+        us = statistics.median(per_page)
+        print(f"fresh pages, {p:2d} process{'es' if p > 1 else ''} at once, one thread each: {us:.3f} us a "
+              f"page each ({min(per_page):.3f}-{max(per_page):.3f}), "
+              f"{sum(1 / v for v in per_page if v) :.2f} pages a us together", flush=True)
+
+
+def cache_ab(names: Optional[List[str]], threads: int, rounds: int, seconds: float, mib: int) -> None:
+    """Per case, `rounds` pairs of windows of `seconds` within one process, the CPU output cache
+    off and on with `mib` MiB (off first in odd rounds, on first in even ones): each round's
+    on/off ratio is taken a moment apart, so the machine's drift between processes does not
+    enter it. Restores the thread count and the cache's limit (emptying it)."""
+    from detops import _C
+
+    if mib <= 0:
+        raise SystemExit(f"cpu_scaling: --cache-ab needs a positive MiB, got {mib}")
+    timed = selected_cases(names)
+    before, limit = torch.get_num_threads(), _C._set_cpu_output_cache(0)
+    try:
+        torch.set_num_threads(threads)
+        for name, fn, _ in timed:
+            got = {0: [], mib: []}
+            calls_faults = {0: [], mib: []}
+            ratios = []
+            for r in range(rounds):
+                for v in ((0, mib) if r % 2 == 0 else (mib, 0)):
+                    _C._set_cpu_output_cache(v << 20)
+                    window_ms(fn, min(seconds, 0.05))  # the cache filled, the threads awake
+                    ms, f = window(fn, seconds)
+                    got[v].append(ms)
+                    calls_faults[v].append(f)
+                ratios.append(got[mib][-1] / got[0][-1])
+            med = {v: statistics.median(got[v]) for v in got}
+            print(f"{name} {threads} thread{'s' if threads > 1 else ''}: cache off {med[0]:.3f} ms "
+                  f"({min(got[0]):.3f}-{max(got[0]):.3f}), on ({mib} MiB) {med[mib]:.3f} ms "
+                  f"({min(got[mib]):.3f}-{max(got[mib]):.3f}); on / off {statistics.median(ratios):.3f} "
+                  f"({min(ratios):.3f}-{max(ratios):.3f}), on faster in {sum(x < 1 for x in ratios)} of "
+                  f"{rounds} rounds; page faults a call {statistics.median(calls_faults[0]):.0f} off, "
+                  f"{statistics.median(calls_faults[mib]):.0f} on", flush=True)
+    finally:
+        torch.set_num_threads(before)
+        _C._set_cpu_output_cache(0)
+        _C._set_cpu_output_cache(limit)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="1,16", help="thread counts to time the cases at")
@@ -477,22 +593,29 @@ if __name__ == "__main__":
     p.add_argument("--pairs", action="store_true", help="every pair of cores: each one's time beside the other against alone")
     p.add_argument("--versus", type=int, metavar="N", help="rounds of N processes, N threads and one thread, adjacent")
     p.add_argument("--op", choices=["roi_align", "sin", "digamma"], default="roi_align", help="what --processes runs")
-    p.add_argument("--seconds", type=float, default=4.0, help="window of --processes, --pairs and --versus")
+    p.add_argument("--seconds", type=float, help="window of --processes, --pairs and --versus (default 4), of --cache-ab (0.25)")
     p.add_argument("--vectors", help="cpu_vector choices to time the roi_pool forwards under, e.g. avx2,auto")
     p.add_argument("--large", action="store_true", help="--vectors on the large map")
+    p.add_argument("--faults", type=int, metavar="N", help="fresh pages' cost: 1 and N threads, 1 and N processes")
+    p.add_argument("--cache-ab", type=int, metavar="MIB", help="the CPU output cache off and on with MIB MiB, alternating")
     a = p.parse_args()
     names = a.cases.split(",") if a.cases else None
     if a.vectors:
         for n in [int(v) for v in a.threads.split(",")]:
             vectors(a.vectors.split(","), n, a.rounds, a.runs or 15, a.large)
+    elif a.faults:
+        faults(a.faults)
+    elif a.cache_ab:
+        for n in [int(v) for v in a.threads.split(",")]:
+            cache_ab(names, n, a.rounds, a.seconds or 0.25, a.cache_ab)
     elif a.cores:
         time_cores(a.tag, names, a.cores)
     elif a.versus:
-        versus(names or ["fwd", "ref"], a.versus, a.rounds, a.seconds)
+        versus(names or ["fwd", "ref"], a.versus, a.rounds, a.seconds or 4.0)
     elif a.pairs:
-        pairs(names[0] if names else "fwd", a.seconds)
+        pairs(names[0] if names else "fwd", a.seconds or 4.0)
     elif a.processes:
-        processes(a.op, [int(v) for v in a.processes.split(",")], a.seconds)
+        processes(a.op, [int(v) for v in a.processes.split(",")], a.seconds or 4.0)
     elif a.ratio:
         time_ratio(a.tag, a.ratio, names, a.rounds, a.runs or 100)
     else:

@@ -242,3 +242,47 @@ def test_transpose_variants_take_the_library_kernel():
     # 4 and 8-byte values: K2 R4; 2-byte values: K2 R8 with at least 4 blocks an SM
     assert "launch_transpose<Bits, K, 4, 1>" in library and "launch_transpose<Bits, K, 8, 4>" in library
     assert (2, 4, 1) in tv.VARIANTS[4] and (2, 8, 4) in tv.VARIANTS[2]
+
+
+def test_cpu_scaling_faults_times_threads_and_processes(capsys):
+    from benchmarks import cpu_scaling
+
+    threads = torch.get_num_threads()
+    cpu_scaling.faults(2, mib=1, reps=2, lead=0.0)
+    assert torch.get_num_threads() == threads
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == [
+        "fresh pages,  1 thread of one process", "fresh pages,  2 threads of one process",
+        "fresh pages,  1 process at once, one thread each", "fresh pages,  2 processes at once, one thread each"]
+    assert all(re.search(r"\d+\.\d{3} us a page", line) for line in out)
+    # a fill of fresh pages and again: 256 pages a MiB, each adding what it took beyond the refill
+    assert cpu_scaling.page_us(1, 2.0, 1.0) == pytest.approx(1e3 / 256)
+    assert cpu_scaling.page_us(1, 1.0, 2.0) == 0.0
+
+
+def test_cpu_scaling_cache_ab_alternates_and_restores(monkeypatch, capsys):
+    from benchmarks import cpu_scaling
+    from detops import _C
+
+    limits = []  # the cache's limit at each call of the probe, read by setting it back
+    def probe():
+        limit = _C._set_cpu_output_cache(0)
+        _C._set_cpu_output_cache(limit)
+        limits.append(limit >> 20)
+
+    monkeypatch.setattr(cpu_scaling, "selected_cases", lambda names: [("probe", probe, 3)])
+    before_threads, before_limit = torch.get_num_threads(), _C._set_cpu_output_cache(3 << 20)
+    try:
+        cpu_scaling.cache_ab(None, 1, 3, 0.01, 64)
+        assert torch.get_num_threads() == before_threads
+        assert _C._set_cpu_output_cache(0) == 3 << 20  # set back
+        # rounds off-on, on-off, off-on: four stretches of calls at one setting each
+        runs = [k for i, k in enumerate(limits) if i == 0 or limits[i - 1] != k]
+        assert runs == [0, 64, 0, 64]
+        line = capsys.readouterr().out.strip()
+        assert line.startswith("probe 1 thread: cache off ") and "on (64 MiB)" in line and "of 3 rounds" in line
+        with pytest.raises(SystemExit, match="--cache-ab needs a positive MiB"):
+            cpu_scaling.cache_ab(None, 1, 1, 0.01, 0)
+    finally:
+        _C._set_cpu_output_cache(0)
+        _C._set_cpu_output_cache(before_limit)
