@@ -9,10 +9,13 @@
 // freed before, so it comes and goes between processes: a roi_pool forward+backward on a
 // 2x64x100x152 map frees a 7.8 MB gradient, a 3.2 MB output and a 3.2 MB argmax each call,
 // and some processes took 140-190 faults a call at 16 threads and 160-940 at one, others none.
-// On the machines measured, keeping the buffers took those faults away without changing the
-// 16-thread call's time beyond the machine's drift (BENCHMARKS.md, "Page faults of freed
-// outputs"), so the cache is off by default; where page faults cost more (other kernels,
-// other virtual machines), DETOPS_CPU_OUTPUT_CACHE_MB=256 turns it on.
+// On the H200 machines measured, keeping the buffers took those faults away without changing
+// the 16-thread call's time beyond the machine's drift, and calls with the cache on and off in
+// one process differed by no more than 4% (BENCHMARKS.md, "Page faults of freed outputs",
+// "Fresh pages: threads of one process against processes"), so the cache is off by default;
+// on a two-core virtual machine whose heap glibc trims between calls it took 9-16% off
+// roi_pool's forward+backward, and DETOPS_CPU_OUTPUT_CACHE_MB=256 turns it on wherever page
+// faults cost that much.
 //
 // The cache keeps up to kCacheMaxBlocks freed buffers of kCacheMinBytes or more, at most
 // limit() bytes in all (DETOPS_CPU_OUTPUT_CACHE_MB, in MiB, read once; 0, the default, keeps
