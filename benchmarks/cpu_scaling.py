@@ -539,7 +539,7 @@ def faults(n: int, mib: int = 8, reps: int = 15, lead: float = 5.0) -> None:
         us = statistics.median(per_page)
         print(f"fresh pages, {p:2d} process{'es' if p > 1 else ''} at once, one thread each: {us:.3f} us a "
               f"page each ({min(per_page):.3f}-{max(per_page):.3f}), "
-              f"{sum(1 / v for v in per_page if v) :.2f} pages a us together", flush=True)
+              f"{sum(1 / v for v in per_page if v):.2f} pages a us together", flush=True)
 
 
 def cache_ab(names: Optional[List[str]], threads: int, rounds: int, seconds: float, mib: int) -> None:
