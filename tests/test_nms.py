@@ -49,6 +49,36 @@ def test_nms_matches_reference(device, kind, dtype):
         assert torch.equal(got.cpu(), ref.nms(boxes, scores, threshold))
 
 
+def greedy_over_the_whole_matrix(boxes, scores, threshold):
+    """Greedy NMS over the whole [N, N] IoU matrix: what ref.nms computes a block of rows at a
+    time."""
+    above = ref.pairwise_iou(boxes).double() > threshold
+    removed = torch.zeros(boxes.size(0), dtype=torch.bool)
+    keep = []
+    for i in torch.sort(scores, descending=True, stable=True).indices.tolist():
+        if not (torch.isnan(scores[i]) or removed[i]):
+            keep.append(i)
+            removed |= above[i]
+    return torch.tensor(keep, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 700])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_reference_nms_in_blocks_is_greedy_over_the_whole_matrix(n, dtype):
+    # ref.nms decides the score order a block of rows at a time, against the boxes still in
+    # play: the same keep as the whole matrix, across block edges, chains, ties and NaNs
+    cases = [chain_boxes(n, dtype), clustered_boxes(n, seed=n, dtype=dtype), random_boxes(n, seed=n, dtype=dtype)]
+    boxes, scores = random_boxes(n, seed=n + 1, dtype=dtype)
+    scores = torch.randint(0, 5, (n,)).to(dtype)  # many equal scores
+    if n > 3:
+        boxes[1, 2] = float("nan")
+        scores[2] = float("nan")
+    cases.append((boxes, scores))
+    for boxes, scores in cases:
+        for threshold in (0.0, 0.3, 0.5, 1.0):
+            assert torch.equal(ref.nms(boxes, scores, threshold), greedy_over_the_whole_matrix(boxes, scores, threshold))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_nms_ties_keep_index_order(device):
     boxes, _ = random_boxes(500, seed=3)

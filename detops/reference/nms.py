@@ -9,16 +9,29 @@ def _acc(t: Tensor) -> Tensor:
     return t.double() if t.dtype == torch.float64 else t.float()
 
 
-def pairwise_iou(boxes: Tensor) -> Tensor:
-    """IoU matrix [N, N] in the kernels' arithmetic: float32 (float64 for float64 boxes),
-    inter / ((area_i + area_j) - inter)."""
+def iou_rows(boxes: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """IoU of boxes[rows] against boxes[cols], [len(rows), len(cols)], in the kernels'
+    arithmetic: float32 (float64 for float64 boxes), inter / ((area_i + area_j) - inter)."""
     b = _acc(boxes)
     area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    lt = torch.maximum(b[:, None, :2], b[None, :, :2])
-    rb = torch.minimum(b[:, None, 2:], b[None, :, 2:])
+    r, c = b[rows], b[cols]
+    lt = torch.maximum(r[:, None, :2], c[None, :, :2])
+    rb = torch.minimum(r[:, None, 2:], c[None, :, 2:])
     wh = (rb - lt).clamp(min=0).nan_to_num(nan=0.0)
     inter = wh[..., 0] * wh[..., 1]
-    return inter / ((area[:, None] + area[None, :]) - inter)
+    return inter / ((area[rows][:, None] + area[cols][None, :]) - inter)
+
+
+def pairwise_iou(boxes: Tensor) -> Tensor:
+    """IoU matrix [N, N]."""
+    every = torch.arange(boxes.size(0), device=boxes.device)
+    return iou_rows(boxes, every, every)
+
+
+# Candidates whose IoU rows nms computes at a time: the rows of a block of the score order
+# against the boxes from that block on still in play, so that memory stays at a block's rows
+# however many boxes there are.
+_ROWS_PER_BLOCK = 256
 
 
 def nms(boxes: Tensor, scores: Tensor, iou_threshold: float) -> Tensor:
@@ -27,18 +40,27 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float) -> Tensor:
     n = boxes.size(0)
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=boxes.device)
-    iou = pairwise_iou(boxes.cpu())
-    # exact comparison of the float IoU with the double threshold
-    above = iou.double() > float(iou_threshold)
+    b = boxes.cpu()
     order = torch.sort(scores.cpu(), descending=True, stable=True).indices
     nan_score = torch.isnan(scores.cpu())
     removed = torch.zeros(n, dtype=torch.bool)
     keep = []
-    for i in order.tolist():
-        if nan_score[i] or removed[i]:
+    for start in range(0, n, _ROWS_PER_BLOCK):
+        window = order[start : start + _ROWS_PER_BLOCK]
+        block = window[~(nan_score[window] | removed[window])]
+        if block.numel() == 0:
             continue
-        keep.append(i)
-        removed |= above[i]
+        # every box before `start` in the order is kept or removed: the block's rows against
+        # the boxes from it on still in play
+        rest = order[start:]
+        rest = rest[~(nan_score[rest] | removed[rest])]
+        # exact comparison of the float IoU with the double threshold
+        above = iou_rows(b, block, rest).double() > float(iou_threshold)
+        for j, i in enumerate(block.tolist()):
+            if removed[i]:
+                continue
+            keep.append(i)
+            removed[rest[above[j]]] = True
     return torch.tensor(keep, dtype=torch.int64, device=boxes.device)
 
 
