@@ -1,5 +1,5 @@
 // Buffers of the CPU kernels' large outputs, kept for reuse after the tensors that held them
-// are freed: off unless DETOPS_CPU_OUTPUT_CACHE_MB asks for it.
+// are freed: up to 64 MiB unless DETOPS_CPU_OUTPUT_CACHE_MB says otherwise.
 //
 // torch's CPU allocator hands each tensor to malloc and each freed tensor back to it. With
 // glibc, a buffer of a few MiB comes from the top of the heap, and freeing buffers there
@@ -8,24 +8,25 @@
 // on fresh pages, each zeroed by the OS. Whether that happens depends on what else the process
 // freed before, so it comes and goes between processes: a roi_pool forward+backward on a
 // 2x64x100x152 map frees a 7.8 MB gradient, a 3.2 MB output and a 3.2 MB argmax each call,
-// and some processes took 140-190 faults a call at 16 threads and 160-940 at one, others none.
-// On the H200 machines measured, keeping the buffers took those faults away without changing
-// the 16-thread call's time beyond the machine's drift, and calls with the cache on and off in
-// one process differed by no more than 4% (BENCHMARKS.md, "Page faults of freed outputs",
-// "Fresh pages: threads of one process against processes"), so the cache is off by default;
-// on a two-core virtual machine whose heap glibc trims between calls it took 9-16% off
-// roi_pool's forward+backward, and DETOPS_CPU_OUTPUT_CACHE_MB=256 turns it on wherever page
-// faults cost that much.
+// and some processes took 1,080-1,380 faults a call, others none. Threads of one process map
+// fresh pages six to nine times slower together than processes do, so a threaded call pays
+// most: on an H200 machine's 16 vCPUs, such processes' 16-thread call took 1.28-1.42 ms against
+// 0.79-1.13 ms without faults, and 8 threads 1.94-2.77 against 1.34-2.00 ms; they got 0.47-0.77
+// of 16 or 8 one-thread processes' throughput, against 0.67-1.07 for every process with the
+// cache, none of which faulted. Where a process takes no faults, calls with the cache on and
+// off differed by no more than 4% (BENCHMARKS.md, "Fresh pages: threads of one process against
+// processes", "The output cache on by default"); on a two-core virtual machine whose heap
+// glibc trims between calls it took 9-16% off roi_pool's forward+backward.
 //
 // The cache keeps up to kCacheMaxBlocks freed buffers of kCacheMinBytes or more, at most
-// limit() bytes in all (DETOPS_CPU_OUTPUT_CACHE_MB, in MiB, read once; 0, the default, keeps
-// none), and gives an output the smallest kept buffer that holds it with at most an eighth to
-// spare. A buffer freed past the limit pushes out the longest kept ones; one larger than the
-// limit is freed at once. The buffers come from torch's own c10::alloc_cpu, so a tensor made
-// here is like one of at::empty's: aligned alike, resizable, and freed from any thread. A
-// kept buffer's pages are mapped already, so empty_output neither advises huge pages for it
-// nor maps it again; under deterministic algorithms its outputs skip torch's NaN fill of
-// uninitialized memory, since the kernels write every element.
+// limit() bytes in all (DETOPS_CPU_OUTPUT_CACHE_MB, in MiB, read once; kCacheDefaultLimit
+// without it, 0 keeps none), and gives an output the smallest kept buffer that holds it with
+// at most an eighth to spare. A buffer freed past the limit pushes out the longest kept ones;
+// one larger than the limit is freed at once. The buffers come from torch's own
+// c10::alloc_cpu, so a tensor made here is like one of at::empty's: aligned alike, resizable,
+// and freed from any thread. A kept buffer's pages are mapped already, so empty_output neither
+// advises huge pages for it nor maps it again; under deterministic algorithms its outputs skip
+// torch's NaN fill of uninitialized memory, since the kernels write every element.
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -48,8 +49,9 @@ namespace cpu {
 constexpr size_t kCacheMinBytes = size_t{1} << 20;
 // Buffers kept at most.
 constexpr size_t kCacheMaxBlocks = 16;
-// Bytes kept at most unless DETOPS_CPU_OUTPUT_CACHE_MB says otherwise: none.
-constexpr size_t kCacheDefaultLimit = 0;
+// Bytes kept at most unless DETOPS_CPU_OUTPUT_CACHE_MB says otherwise: a few calls' outputs on
+// maps of a few MiB a plane set (the roi_pool forward+backward above keeps 14 MB).
+constexpr size_t kCacheDefaultLimit = size_t{64} << 20;
 
 class OutputCache final : public c10::Allocator {
  public:
