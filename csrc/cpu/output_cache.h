@@ -49,8 +49,8 @@ namespace cpu {
 constexpr size_t kCacheMinBytes = size_t{1} << 20;
 // Buffers kept at most.
 constexpr size_t kCacheMaxBlocks = 16;
-// Bytes kept at most unless DETOPS_CPU_OUTPUT_CACHE_MB says otherwise: a few calls' outputs on
-// maps of a few MiB a plane set (the roi_pool forward+backward above keeps 14 MB).
+// Bytes kept at most unless DETOPS_CPU_OUTPUT_CACHE_MB says otherwise: several calls' outputs
+// on a small map (the roi_pool forward+backward above frees 14 MB a call).
 constexpr size_t kCacheDefaultLimit = size_t{64} << 20;
 
 class OutputCache final : public c10::Allocator {
