@@ -69,7 +69,7 @@ def test_reference_nms_in_blocks_is_greedy_over_the_whole_matrix(n, dtype):
     # play: the same keep as the whole matrix, across block edges, chains, ties and NaNs
     cases = [chain_boxes(n, dtype), clustered_boxes(n, seed=n, dtype=dtype), random_boxes(n, seed=n, dtype=dtype)]
     boxes, scores = random_boxes(n, seed=n + 1, dtype=dtype)
-    scores = torch.randint(0, 5, (n,)).to(dtype)  # many equal scores
+    scores = torch.randint(0, 5, (n,), generator=torch.Generator().manual_seed(n)).to(dtype)  # many equal scores
     if n > 3:
         boxes[1, 2] = float("nan")
         scores[2] = float("nan")
