@@ -40,6 +40,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#endif
+
 #include "../common/checks.h"
 
 namespace detops {
@@ -57,7 +61,7 @@ class OutputCache final : public c10::Allocator {
  public:
   // The process's cache. It is never destroyed: tensors may be freed while the process exits.
   static OutputCache& get() {
-    static OutputCache* cache = new OutputCache(limit_from_env());
+    static OutputCache* cache = create();
     return *cache;
   }
 
@@ -119,6 +123,22 @@ class OutputCache final : public c10::Allocator {
   static constexpr size_t kGrain = 64 << 10;  // sizes rounded up to this, so near sizes share buffers
 
   explicit OutputCache(size_t limit) : limit_(limit) {}
+
+  // The cache, made once, with its lock taken around every fork() of the process: a child
+  // forked while another thread held the lock (in take, release or set_limit) would otherwise
+  // wait for it forever, that thread not existing in the child (a DataLoader's workers are
+  // forked while other threads free tensors). As glibc does for malloc's own locks.
+  static OutputCache* create() {
+    OutputCache* cache = new OutputCache(limit_from_env());
+    instance_ = cache;
+#if defined(__unix__) || defined(__APPLE__)
+    pthread_atfork(&lock_for_fork, &unlock_after_fork, &unlock_after_fork);
+#endif
+    return cache;
+  }
+
+  static void lock_for_fork() { instance_->mutex_.lock(); }
+  static void unlock_after_fork() { instance_->mutex_.unlock(); }
 
   static size_t round_up(size_t n) { return (n + kGrain - 1) / kGrain * kGrain; }
 
@@ -203,6 +223,7 @@ class OutputCache final : public c10::Allocator {
   size_t kept_ = 0;
   std::vector<Block*> blocks_;  // kept buffers, longest kept first
   static inline thread_local bool reused_ = false;
+  static inline OutputCache* instance_ = nullptr;  // what create() made, for the fork handlers
 };
 
 }  // namespace cpu

@@ -6,11 +6,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
+#include <csignal>
 #include <cstdint>
+#include <thread>
 #include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #endif
 
@@ -157,6 +161,54 @@ TEST(OutputCache, AFreedOutputIsKeptAndItsMappedBufferReused) {
   at::Tensor cl = detops::cpu::empty_output({2, 64, 100, 80}, floats.memory_format(at::MemoryFormat::ChannelsLast));
   EXPECT_TRUE(cl.is_contiguous(at::MemoryFormat::ChannelsLast));
   EXPECT_FALSE(cl.is_contiguous());
+}
+
+
+TEST(OutputCache, AProcessForkedWhileAnotherThreadUsesItCanUseIt) {
+#if defined(__linux__)
+  // A thread takes and frees the cache's buffers without pause (holding its lock much of the
+  // time) while this one forks; each child takes and frees a buffer and exits. A child forked
+  // while the lock was held would wait for it forever, since the thread that held it does not
+  // exist in the child: the cache takes its lock around a fork and releases it on both sides.
+  CacheLimit limit(size_t{64} << 20);
+  std::atomic<bool> stop{false};
+  std::thread user([&] {
+    while (!stop.load(std::memory_order_relaxed)) {
+      c10::DataPtr a = detops::cpu::OutputCache::get().allocate(size_t{1} << 20);
+      c10::DataPtr b = detops::cpu::OutputCache::get().allocate(size_t{2} << 20);
+    }
+  });
+  int stuck = 0, failed = 0;
+  for (int i = 0; i < 200 && stuck == 0; ++i) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      {
+        c10::DataPtr a = detops::cpu::OutputCache::get().allocate(size_t{1} << 20);
+      }
+      _exit(0);
+    }
+    int status = 0;
+    bool ended = false;
+    for (int wait_ms = 0; wait_ms < 5000 && !ended; ++wait_ms) {
+      ended = waitpid(pid, &status, WNOHANG) == pid;
+      if (!ended) usleep(1000);
+    }
+    if (!ended) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      ++stuck;
+    } else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      ++failed;
+    }
+  }
+  stop = true;
+  user.join();
+  EXPECT_EQ(stuck, 0) << "a forked child waited 5 s on the cache";
+  EXPECT_EQ(failed, 0);
+#else
+  GTEST_SKIP() << "fork and waitpid are POSIX's";
+#endif
 }
 
 }  // namespace
