@@ -254,7 +254,7 @@ def run(devices: List[str], quick: bool = False, batches: Optional[List[int]] = 
                         m.zero_grad(set_to_none=True)
                     _free(device)
                 if t_dt is None:
-                    print(f"| {case} | {device} | {'OOM' if t_tv is None else f'{t_tv:.2f} ms'} | OOM | n/a |", flush=True)
+                    print(f"| {case} | {'OOM' if t_tv is None else f'{t_tv:.2f} ms'} | OOM | n/a | |", flush=True)
                     continue
                 row = Row(case, device, t_dt, t_tv)
                 print(format_row(row) + f"  ({batch * 1e3 / t_dt:.1f} img/s detops"
