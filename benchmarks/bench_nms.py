@@ -1,15 +1,38 @@
-"""NMS and batched NMS: detops vs torchvision on the same boxes."""
+"""NMS and batched NMS: detops vs torchvision on the same boxes.
+
+The CUDA nms rows have a floor (`nms_floor`): the larger of the launch floor and the time to
+issue the mask kernel's pair tests.
+"""
 from __future__ import annotations
 
 import argparse
-from typing import List
+from typing import List, Optional
 
 import torch
 import torchvision
 
 import detops
-from benchmarks.timing import HEADER, Row, compare
+from benchmarks.timing import HEADER, Row, compare, issue_floor, issue_rate
 from detops.testing import clustered_boxes, random_boxes
+
+
+# A small CUDA nms is bound by latency: a few launches (ranking, mask, greedy pass, the count's
+# copy) of 3-5 µs each and the one host sync that a variable-length result needs.
+LAUNCH_FLOOR_US = 30
+LAUNCH_FLOOR = "30-50 µs (a few launches of 3-5 µs and one host sync)"
+# The mask kernel tests every pair of boxes once: the intersection test before any division is
+# about 10 instructions a pair.
+INSTRUCTIONS_PER_PAIR = 10
+
+
+def nms_floor(n: int, rate: Optional[float]) -> str:
+    """The floor of a CUDA nms of n boxes on a GPU that issues `rate` instructions a second:
+    the pair tests' issue time (n (n - 1) / 2 pairs) where it exceeds the launch floor."""
+    pairs = n * (n - 1) / 2
+    arithmetic = issue_floor(f"{pairs:.2g} pairs x {INSTRUCTIONS_PER_PAIR} instructions", pairs * INSTRUCTIONS_PER_PAIR, rate)
+    if arithmetic is None or pairs * INSTRUCTIONS_PER_PAIR / rate * 1e6 <= LAUNCH_FLOOR_US:
+        return LAUNCH_FLOOR
+    return arithmetic
 
 
 def _runs(device):
@@ -47,6 +70,7 @@ def run(devices: List[str], quick: bool = False) -> List[Row]:
             cases.append(("nms, 100k random", random_boxes(100_000, seed=7, size=3000.0)))
         if quick:
             cases = cases[:3]
+        rate = issue_rate() if device == "cuda" else None
         for name, (boxes, scores) in cases:
             b, s = boxes.to(device), scores.to(device)
             assert torch.equal(detops.ops.nms(b, s, 0.5).cpu().sort().values, torchvision.ops.nms(b, s, 0.5).cpu().sort().values)
@@ -55,6 +79,7 @@ def run(devices: List[str], quick: bool = False) -> List[Row]:
                     name + ", IoU 0.5", device,
                     lambda: detops.ops.nms(b, s, 0.5),
                     lambda: torchvision.ops.nms(b, s, 0.5),
+                    floor=nms_floor(b.size(0), rate) if device == "cuda" else None,
                     **_runs(device),
                 )
             )

@@ -1,7 +1,8 @@
 """roi_align / roi_pool: detops vs torchvision on the same features and RoIs.
 
 The CUDA cases follow the Mask R-CNN box head: features 2x256x200x304 (stride 4 of an
-800x1216 batch), 1024 RoIs, output 7x7 and 14x14, sampling ratio 2, aligned=True.
+800x1216 batch), 1024 RoIs, output 7x7 and 14x14, sampling ratio 2, aligned=True. Their floor
+is the bytes the call must move at the GPU's peak DRAM bandwidth (`byte_count`).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torchvision
 
 import detops
-from benchmarks.timing import HEADER, Row, compare, cpu_cores, format_ms, format_row, median_ms
+from benchmarks.timing import HEADER, Row, byte_floor, compare, cpu_cores, dram_bandwidth, format_ms, format_row, median_ms
 from detops.testing import random_rois
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -45,14 +46,42 @@ def _case_tag(shape, k, size, dtype) -> str:
     return f"{shape[0]}x{shape[1]}x{shape[2]}x{shape[3]}, {k} RoIs, {size}x{size}, {DTYPE_NAMES[dtype]}"
 
 
+def byte_count(op: str, part: str, x, rois, size: int, argmax_size: int = 4) -> int:
+    """The bytes a call must move at least: every tensor it reads or writes, once each.
+    fwd: the map and the RoIs read, the output written (roi_pool's forward without a gradient
+    writes no argmax). bwd: the output gradient and the RoIs read (roi_pool: the argmax too),
+    the map's gradient written. fwd+bwd: both, roi_pool's forward then writing its argmax
+    (`argmax_size` bytes an element)."""
+    out = rois.size(0) * x.size(1) * size * size
+    map_bytes, out_bytes = x.numel() * x.element_size(), out * x.element_size()
+    roi_bytes = rois.numel() * rois.element_size()
+    argmax = out * argmax_size if op == "roi_pool" else 0
+    fwd = map_bytes + roi_bytes + out_bytes
+    bwd = out_bytes + roi_bytes + argmax + map_bytes
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + argmax + bwd}[part]
+
+
+def _floor(op: str, part: str, x, rois, size: int):
+    """The CUDA case's byte floor at the GPU's peak bandwidth; None on the CPU."""
+    if x.device.type != "cuda":
+        return None
+    argmax_size = 4
+    if op == "roi_pool":
+        argmax_size = torch.ops.detops.roi_pool(x[:, :1], rois, 0.25, 1, 1)[1].element_size()
+    return byte_floor(byte_count(op, part, x, rois, size, argmax_size), dram_bandwidth())
+
+
 def _fwd_rows(op, tag, device, ours, theirs, x, rois, grad, runs, layout="") -> List[Row]:
     """The forward and forward+backward rows of one op on (x, rois); theirs None: detops alone."""
+    size = grad.size(-1)
     return [
-        compare(f"{op} fwd{layout}, {tag}", device, lambda: ours(x, rois), (lambda: theirs(x, rois)) if theirs else None, **runs),
+        compare(f"{op} fwd{layout}, {tag}", device, lambda: ours(x, rois), (lambda: theirs(x, rois)) if theirs else None,
+                floor=_floor(op, "fwd", x, rois, size), **runs),
         compare(
             f"{op} fwd+bwd{layout}, {tag}", device,
             lambda: fwd_bwd(ours, x, rois, grad),
             (lambda: fwd_bwd(theirs, x, rois, grad)) if theirs else None,
+            floor=_floor(op, "fwd+bwd", x, rois, size),
             **runs,
         ),
     ]
@@ -150,13 +179,15 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                     rows += _fwd_rows("roi_align", tag, device, ours, theirs, xcl, rois, grad, runs, layout=", channels_last input")
                     torch.use_deterministic_algorithms(True)
                     try:
-                        rows.append(compare(f"roi_align fwd+bwd deterministic, {tag}", device, lambda: fwd_bwd(ours, x, rois, grad), None, **runs))
+                        rows.append(compare(f"roi_align fwd+bwd deterministic, {tag}", device, lambda: fwd_bwd(ours, x, rois, grad), None,
+                                           floor=_floor("roi_align", "fwd+bwd", x, rois, size), **runs))
                         # the backward op alone (torchvision has no deterministic CUDA backward)
                         bwd_args = (rois, 0.25, size, size, *shape, 2, True)
                         rows.append(
                             compare(
                                 f"roi_align bwd only deterministic, {tag}", device,
-                                lambda: torch.ops.detops._roi_align_backward(grad, *bwd_args), None, **runs,
+                                lambda: torch.ops.detops._roi_align_backward(grad, *bwd_args), None,
+                                floor=_floor("roi_align", "bwd", x, rois, size), **runs,
                             )
                         )
                     finally:
@@ -176,7 +207,8 @@ def run(devices: List[str], quick: bool = False, threads: List[int] = None) -> L
                         )
                         torch.use_deterministic_algorithms(True)
                         try:
-                            rows.append(compare(f"roi_pool fwd+bwd deterministic, {tag}", device, lambda: fwd_bwd(ours_p, x, rois, grad), None, **runs))
+                            rows.append(compare(f"roi_pool fwd+bwd deterministic, {tag}", device, lambda: fwd_bwd(ours_p, x, rois, grad), None,
+                                               floor=_floor("roi_pool", "fwd+bwd", x, rois, size), **runs))
                         finally:
                             torch.use_deterministic_algorithms(False)
                 if device == "cpu":
