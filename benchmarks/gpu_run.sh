@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build for sm_90, run the whole test suite (CUDA tests included),
-# then every benchmark on CUDA and CPU. Logs and the table go to $OUT (or ./output).
+# then every benchmark on CUDA and CPU (benchmarks.md) and what each CUDA speed mechanism buys
+# (variants.md). Logs and the tables go to $OUT (or ./output).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-output}
@@ -20,4 +21,6 @@ echo "build: $(( $(date +%s) - start )) s"; grep -i "warning" "$OUT/build.log" |
 python3 -m pytest tests -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -n 40
 echo "tests: $(( $(date +%s) - start )) s"
 python3 -m benchmarks.run_all --device ${BENCH_DEVICE:-all} --out "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log" | tail -n 60
+echo "benchmarks: $(( $(date +%s) - start )) s"
+python3 -m benchmarks.bench_variants --device cuda --out "$OUT/variants.md" 2>&1 | tee "$OUT/variants.log" | tail -n 100
 echo "total: $(( $(date +%s) - start )) s"
