@@ -1,5 +1,5 @@
-"""The benchmark tools: patches and sources outside the library still match it, the CPU
-scaling tool's per-core mode pins and restores, and its threads-against-processes arithmetic."""
+"""The benchmark tools without a GPU: rows and their floors, the table run_all writes, and
+bench_variants' CPU mechanisms (each setting timed in turn, the library's settings restored)."""
 import os
 import pathlib
 import re
@@ -10,279 +10,203 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def hunks(patch_text):
-    """(target path, [(old-side lines of one hunk)]) for each file of a unified diff; the path
-    is "+" followed by the new path for a file the diff adds."""
-    files = []
-    for block in re.split(r"^diff --git ", patch_text, flags=re.M)[1:]:
-        changed = re.search(r"^--- a/(\S+)$", block, flags=re.M)
-        target = changed.group(1) if changed else "+" + re.search(r"^\+\+\+ b/(\S+)$", block, flags=re.M).group(1)
-        olds = []
-        for hunk in re.split(r"^@@ [^\n]*@@[^\n]*\n", block, flags=re.M)[1:]:
-            lines = hunk.split("\n")
-            olds.append([line[1:] for line in lines if line[:1] in (" ", "-")])
-        files.append((target, olds))
-    return files
+def _columns(line):
+    return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-@pytest.mark.parametrize(
-    "patch, targets",
-    [
-        ("band_trace.patch", ["csrc/cuda/roi_align_band.cu"]),
-        ("band_tiles.patch", ["+benchmarks/band_tiles.py", "csrc/cuda/roi_align_band.cu"]),
-        ("band_ring.patch", ["csrc/cuda/roi_align_band.cu"]),
-    ],
-)
-def test_band_patches_apply_to_the_band_forward(patch, targets):
-    """benchmarks/band_trace.patch instruments roi_align_band.cu, band_tiles.patch and
-    band_ring.patch add the tiled and the ring forward measured in BENCHMARKS.md: every hunk's
-    context and removed lines must still be in the file, in order, and the files they add must
-    not exist, or `git apply` fails."""
-    files = hunks((ROOT / "benchmarks" / patch).read_text())
-    assert [target for target, _ in files] == targets
-    for target, olds in files:
-        if target.startswith("+"):
-            assert not (ROOT / target[1:]).exists()
-            continue
-        source = (ROOT / target).read_text()
-        assert len(olds) >= 4
-        for old in olds:
-            assert "\n".join(old) in source, f"{patch} no longer applies to {target}:\n" + "\n".join(old)
+def test_row_formatting_with_floor_note_and_missing_torchvision():
+    from benchmarks.timing import HEADER, Row, format_row
+
+    header = _columns(HEADER.splitlines()[0])
+    assert header == ["case", "torchvision", "detops", "ratio (tv / detops)", "floor"]
+    row = Row("roi_align fwd", "cuda", 0.1, 0.25, floor="41 µs (176 MB / 4.30 TB/s)")
+    assert format_row(row) == "| roi_align fwd | 250 µs | 100 µs | 2.5x | 41 µs (176 MB / 4.30 TB/s) |"
+    assert _columns(format_row(Row("nms", "cpu", 2.0, None))) == ["nms", "n/a", "2.00 ms", "n/a", ""]
+    noted = Row("scaling", "cpu", 1.5, None, note="scaling 1.90x")
+    assert _columns(format_row(noted)) == ["scaling", "n/a", "1.50 ms", "scaling 1.90x", ""]
+    assert len(_columns(format_row(row))) == len(header)
 
 
-def test_band_staging_matches_the_band_plan():
-    """benchmarks/band_staging.cu copies bands shaped as the float32 band forward stages them
-    on the benchmark maps (32-byte pixels, rows of 2 mod 4 pixels)."""
-    source = (ROOT / "benchmarks" / "band_staging.cu").read_text()
-    shape = re.search(r"constexpr int B = 2, C = 256, H = 200, W = 304, ROWS = (\d+), CORE = (\d+), BANDS = (\d+), STRIDE = (\d+)", source)
-    rows, core, bands, stride = (int(v) for v in shape.groups())
-    assert stride >= 304 and stride % 4 == 2
-    assert rows * stride * 32 <= 227 * 1024  # one block's shared memory on sm_90
-    assert bands == -(-200 // core) and rows > core
+def test_floors_from_bytes_and_instructions():
+    from benchmarks.timing import byte_floor, dram_bandwidth, issue_floor
+
+    assert byte_floor(176e6, 4.4e12) == "40 µs (176 MB / 4.40 TB/s)"
+    assert byte_floor(5e9, 2.5e12) == "2.00 ms (5000 MB / 2.50 TB/s)"
+    assert byte_floor(1e6, None) is None
+    assert issue_floor("5e+09 pairs x 10 instructions", 5e10, 2.5e13) == "2.00 ms (5e+09 pairs x 10 instructions / 2.5e+13 per s)"
+    assert issue_floor("x", 1.0, None) is None
+    if not torch.cuda.is_available():
+        assert dram_bandwidth() is None
 
 
-def test_band_schedule_model():
-    """benchmarks/band_schedule.py models the float32 band forward's blocks: its plan is the
-    kernel's on the benchmark maps (the bands band_staging.cu copies), it lists every bin row
-    of the benchmark RoIs once, and it hands blocks to the SM free first."""
-    from benchmarks import band_schedule
-    from detops.testing import random_rois
+def test_roi_byte_counts():
+    """Every tensor a call reads or writes, once: on the CUDA cases' map (2x256x200x304 float32,
+    1024 RoIs) the 7x7 forward moves the map (124.5 MB), the RoIs and the output (51.4 MB)."""
+    from benchmarks.bench_roi import byte_count
 
-    # 13 bands an image: band 12 holds rows [180, 200), and a 14th would lie inside it
-    assert band_schedule.band_plan(200, 304, 7, 2, 232448) == (15, 8, 13)
-    assert band_schedule.band_plan(200, 304, 14, 2, 232448) == (18, 5, 11)
-    rois = random_rois(1024, 2, 200, 304, seed=0, spatial_scale=0.25)
-    counts = band_schedule.bin_rows_per_key(rois, 2, 200, 7, 2, 0.25, 15, 13)
-    assert len(counts) == 27 and sum(counts) == 1024 * 7 and counts[-1] == 0
-    # two SMs, three blocks of 10 bin rows at 1 µs each, 1 µs of staging: the third block
-    # starts on the first SM at 11 µs; the second SM then waits 11 µs
-    kernel, idle = band_schedule.schedule([10, 10, 10], 2, first=1.0, later=1.0, per_row=1000.0, gap=0.0)
-    assert (kernel, idle) == (22.0, 5.5)
-    # three keys and the discard key, three groups: the last row split at a multiple of 4
-    # entries (at or below half, or 5/8, of each list); the last three rows (the split row
-    # included) take their keys longest list first, equal lists in key order, the discard key's
-    # column in its place
-    column = [9, 20, 9, 0]
-    assert band_schedule.grid_blocks(column, 3, split=False) == column * 3
-    assert band_schedule.grid_blocks(column, 3) == column * 2 + [4, 8, 4, 0] + [5, 12, 5, 0]
-    assert band_schedule.grid_blocks(column, 3, heavy_rows=3) == [9, 20, 9, 0, 20, 9, 9, 0, 8, 4, 4, 0, 12, 5, 5, 0]
-    assert band_schedule.grid_blocks(column, 3, heavy_rows=3, first=5 / 8) == [
-        9, 20, 9, 0, 20, 9, 9, 0, 12, 4, 4, 0, 8, 5, 5, 0]
+    x = torch.empty(2, 256, 200, 304)
+    rois = torch.empty(1024, 5)
+    map_b, out_b, roi_b = 2 * 256 * 200 * 304 * 4, 1024 * 256 * 49 * 4, 1024 * 5 * 4
+    assert byte_count("roi_align", "fwd", x, rois, 7) == map_b + roi_b + out_b
+    assert byte_count("roi_align", "bwd", x, rois, 7) == out_b + roi_b + map_b
+    assert byte_count("roi_align", "fwd+bwd", x, rois, 7) == 2 * (map_b + roi_b + out_b)
+    # roi_pool: the forward without a gradient writes no argmax; the backward reads it
+    assert byte_count("roi_pool", "fwd", x, rois, 7) == map_b + roi_b + out_b
+    assert byte_count("roi_pool", "bwd", x, rois, 7) == out_b + roi_b + out_b + map_b
+    assert byte_count("roi_pool", "fwd+bwd", x, rois, 7) == 2 * (map_b + roi_b + out_b) + 2 * out_b
+    half = torch.empty(2, 256, 200, 304, dtype=torch.float16)
+    assert byte_count("roi_align", "fwd", half, rois.half(), 14) == (map_b + roi_b + 1024 * 256 * 196 * 4) // 2
 
 
-needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
+def test_nms_floor_is_launches_until_the_pair_tests_take_longer():
+    from benchmarks.bench_nms import LAUNCH_FLOOR, nms_floor
+
+    rate = 2.5e13
+    assert nms_floor(1000, rate) == LAUNCH_FLOOR
+    assert nms_floor(1000, None) == LAUNCH_FLOOR
+    # 100k boxes: 5.0e9 pairs, 10 instructions each, 2 ms at 2.5e13 a second
+    assert nms_floor(100_000, rate) == "2.00 ms (5e+09 pairs x 10 instructions / 2.5e+13 per s)"
+    assert nms_floor(100_000, None) == LAUNCH_FLOOR
 
 
-@needs_affinity
-def test_cpu_scaling_cores_times_each_core_and_restores_affinity(monkeypatch, capsys):
-    from benchmarks import cpu_scaling
+def test_run_all_writes_the_cpu_table(tmp_path, capsys):
+    from benchmarks import run_all
 
-    seen = []
-    monkeypatch.setattr(
-        cpu_scaling, "selected_cases", lambda names: [("probe", lambda: seen.append(os.sched_getaffinity(0)), 3)]
-    )
-    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    cpu_scaling.time_cores("t", None, 2)
-    assert os.sched_getaffinity(0) == cores
-    assert torch.get_num_threads() == threads
-    # every call runs pinned to one core, and each pass visits every core
-    assert all(len(s) == 1 for s in seen)
-    assert sorted({next(iter(s)) for s in seen}) == sorted(cores)
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("t probe pass")]
-    assert len(lines) == 2
-    assert all(len(re.findall(r" \d+:\d+\.\d\d", line)) == len(cores) for line in lines)
-
-
-@needs_affinity
-def test_cpu_scaling_cores_restores_affinity_when_a_case_fails(monkeypatch):
-    from benchmarks import cpu_scaling
-
-    def fail():
-        raise RuntimeError("case failed")
-
-    monkeypatch.setattr(cpu_scaling, "selected_cases", lambda names: [("fail", fail, 3)])
-    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    with pytest.raises(RuntimeError, match="case failed"):
-        cpu_scaling.time_cores("t", None, 1)
-    assert os.sched_getaffinity(0) == cores
-    assert torch.get_num_threads() == threads
+    out = tmp_path / "table.md"
+    run_all.main(["--quick", "--device", "cpu", "--only", "nms,roi", "--out", str(out)])
+    text = out.read_text()
+    lines = text.splitlines()
+    assert lines[0] == "Measured with `python -m benchmarks.run_all --device cpu --only nms,roi --quick`:"
+    assert any(line.startswith("- torch ") and "torchvision" in line for line in lines)
+    assert any(line.startswith("- CPU: ") and "threads" in line for line in lines)
+    heading = lines.index(next(line for line in lines if line.startswith("### CPU: ")))
+    assert lines[heading + 2] == "| case | torchvision | detops | ratio (tv / detops) | floor |"
+    rows = [line for line in lines[heading + 4:] if line.startswith("| ")]
+    cases = [_columns(line)[0] for line in rows]
+    assert "nms, 1k random, IoU 0.5" in cases and "roi_align fwd, 1x16x50x76, 32 RoIs, 7x7, fp32" in cases
+    assert all(len(_columns(line)) == 5 for line in rows)
+    # a measured row: both sides timed, and their ratio
+    nms = _columns(rows[cases.index("nms, 1k random, IoU 0.5")])
+    assert re.fullmatch(r"[\d.]+ (µs|ms)", nms[1]) and re.fullmatch(r"[\d.]+ (µs|ms)", nms[2])
+    assert re.fullmatch(r"[\d.]+x", nms[3])
+    assert "### CUDA" not in text and "### CPU: " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run_all.main(["--quick", "--device", "cpu", "--only", "nope"])
 
 
-def test_cpu_scaling_versus_round_arithmetic():
-    from benchmarks import cpu_scaling
-
-    # processes at 2 and 4 ms per call: 0.75 calls per ms, one call split over them 4/3 ms
-    split, scaling, procs, share = cpu_scaling.versus_round(3.0, 1.5, [2.0, 4.0])
-    assert split == pytest.approx(4 / 3)
-    assert scaling == pytest.approx(2.0)
-    assert procs == pytest.approx(2.25)
-    assert share == pytest.approx(1 / (1.5 * 0.75))
-
-
-def test_cpu_scaling_pair_scores():
-    from benchmarks import cpu_scaling
-
-    assert cpu_scaling.pair_slowdowns(4.0, 5.0, 6.0, 5.0) == pytest.approx((1.5, 1.0, 1.5 ** 0.5))
-    # 0 and 2 slow each other most; 1's worst partner is 0, whose worst is 2: not mutual
-    score = {(0, 1): 1.1, (0, 2): 1.6, (0, 3): 1.0, (1, 2): 1.0, (1, 3): 1.05, (2, 3): 1.0}
-    assert cpu_scaling.mutual_partners(score, [0, 1, 2, 3]) == [(0, 2)]
-
-
-@needs_affinity
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True, reason="needs 2 cores")
-def test_cpu_scaling_versus_runs_pinned_processes_and_restores_threads(capsys):
-    from benchmarks import cpu_scaling
-
-    threads = torch.get_num_threads()
-    cpu_scaling.versus(["ref", "fwd"], 2, 2, 0.05)
-    assert torch.get_num_threads() == threads
-    out = capsys.readouterr().out.splitlines()
-    for name in ("ref", "fwd"):
-        rounds = [line for line in out if line.startswith(f"{name} round ")]
-        assert len(rounds) == 2 and all("page faults a call" in line for line in rounds)
-        summary = [line for line in out if line.startswith(f"{name}: 2 threads ")]
-        assert len(summary) == 1 and "of the processes' throughput" in summary[0]
-    with pytest.raises(SystemExit, match="unknown cases"):
-        cpu_scaling.versus(["nope"], 2, 1, 0.05)
-    with pytest.raises(SystemExit, match="--versus needs"):
-        cpu_scaling.versus(["ref"], len(os.sched_getaffinity(0)) + 1, 1, 0.05)
-
-
-@needs_affinity
-def test_cpu_scaling_pinned_workers_pin_run_cases_and_close():
-    from benchmarks import cpu_scaling
-
-    core = min(os.sched_getaffinity(0))
-    with cpu_scaling.PinnedWorkers([core]) as workers:
-        for case in ("ref", "pool_fwd"):
-            ms = workers.run(case, [core], 0.02)
-            assert set(ms) == {core} and ms[core] > 0
-        procs = list(workers.workers.values())
-    assert all(p.returncode == 0 for p in procs)
-
-
-def test_cpu_scaling_roi_pool_parts_give_the_forward_backward_gradient():
-    """The parts of roi_pool's forward+backward that --versus can time one by one: the forward
-    with argmax, the backward op on a saved argmax, and the two in turn, each the same kernels
-    and gradient as the case through autograd."""
-    from benchmarks import cpu_scaling
-
-    fns = {name: fn for name, fn, _ in cpu_scaling.cases()}
-    whole = fns["pool_fwd+bwd"]()
-    out, argmax = fns["pool_argmax"]()
-    assert out.shape == argmax.shape == (256, 64, 7, 7) and argmax.dtype == torch.int32
-    for part in ("pool_bwd", "pool_argmax+bwd"):
-        assert torch.equal(fns[part](), whole), part
-
-
-def test_cpu_scaling_vectors_times_each_choice_and_restores_threads(capsys):
-    from benchmarks import cpu_scaling
+def _vector_choice():
     from detops import _C
 
-    threads = torch.get_num_threads()
-    med = cpu_scaling.vectors(["avx2", "sse2", "scalar"], 1, 1, 1)
-    assert torch.get_num_threads() == threads
-    assert _C._set_cpu_vector("auto") == "auto"  # each choice was undone
-    forwards = ("values", "argmax", "values_cl", "argmax_cl")
-    assert set(med) == {(f, c) for f in forwards for c in ("avx2", "sse2", "scalar")}
-    assert all(v > 0 for v in med.values())
-    out = capsys.readouterr().out
-    assert "roi_pool forwards, small map, 1 threads: avx2: values" in out and "scalar: values" in out
+    current = _C._set_cpu_vector("auto")
+    _C._set_cpu_vector(current)
+    return current
 
 
-def test_cpu_scaling_vectors_stops_where_choices_disagree(monkeypatch):
-    from benchmarks import cpu_scaling
+def _cache_limit():
     from detops import _C
 
-    def probe():  # the name of the current choice, as a length
-        current = _C._set_cpu_vector("auto")
-        _C._set_cpu_vector(current)
-        return torch.tensor([float(len(current))])
-
-    forwards = [(name, probe) for name in ("values", "argmax", "values_cl", "argmax_cl")]
-    monkeypatch.setattr(cpu_scaling, "roi_pool_forwards", lambda large: forwards)
-    cpu_scaling.vectors(["avx2", "sse2"], 1, 1, 2)  # equal lengths: the same "bits"
-    with pytest.raises(SystemExit, match="values under cpu_vector\\('scalar'\\) differs from 'avx2'"):
-        cpu_scaling.vectors(["avx2", "scalar"], 1, 1, 2)
-    assert _C._set_cpu_vector("auto") == "auto"
+    limit = _C._set_cpu_output_cache(0)
+    _C._set_cpu_output_cache(limit)
+    return limit
 
 
-def test_transpose_variants_take_the_library_kernel():
-    """benchmarks/transpose_variants.py compiles the library's transpose kernel from
-    csrc/cuda/to_channels_last.cu in other shapes: the text between its markers is that kernel,
-    and the shapes the library launches are among the variants it times."""
-    from benchmarks import transpose_variants as tv
+def test_bench_variants_quick_cpu_prints_and_writes_its_table(tmp_path, capsys):
+    from benchmarks import bench_variants
 
-    kernel = tv.library_kernel()
-    assert "__global__ void __launch_bounds__(kLanes * Rows, MinBlocks) nchw_to_nhwc_kernel(" in kernel
-    assert "void launch_transpose" not in kernel and "TORCH_LIBRARY_IMPL" not in kernel
-    source = tv.source()
-    assert kernel in source and "@" not in source.replace(kernel, "")
-    library = tv.LIBRARY.read_text()
-    # 4 and 8-byte values: K2 R4; 2-byte values: K2 R8 with at least 4 blocks an SM
-    assert "launch_transpose<Bits, K, 4, 1>" in library and "launch_transpose<Bits, K, 8, 4>" in library
-    assert (2, 4, 1) in tv.VARIANTS[4] and (2, 8, 4) in tv.VARIANTS[2]
-
-
-def test_cpu_scaling_faults_times_threads_and_processes(capsys):
-    from benchmarks import cpu_scaling
-
-    threads = torch.get_num_threads()
-    cpu_scaling.faults(2, mib=1, reps=2, lead=0.0)
-    assert torch.get_num_threads() == threads
-    out = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in out] == [
-        "fresh pages,  1 thread of one process", "fresh pages,  2 threads of one process",
-        "fresh pages,  1 process at once, one thread each", "fresh pages,  2 processes at once, one thread each"]
-    assert all(re.search(r"\d+\.\d{3} us a page", line) for line in out)
-    # a fill of fresh pages and again: 256 pages a MiB, each adding what it took beyond the refill
-    assert cpu_scaling.page_us(1, 2.0, 1.0) == pytest.approx(1e3 / 256)
-    assert cpu_scaling.page_us(1, 1.0, 2.0) == 0.0
+    out = tmp_path / "variants.md"
+    threads, vector, limit = torch.get_num_threads(), _vector_choice(), _cache_limit()
+    bench_variants.main(["--quick", "--device", "cpu", "--out", str(out)])
+    assert (torch.get_num_threads(), _vector_choice(), _cache_limit()) == (threads, vector, limit)
+    printed = capsys.readouterr().out
+    text = out.read_text()
+    header = "| mechanism | case | with | without | gain (without / with) |"
+    assert header in printed and header in text
+    rows = [_columns(line) for line in text.splitlines() if line.startswith("| cpu_")]
+    assert all(f"| {' | '.join(r)} |" in printed for r in rows)
+    counts = [1] if torch.get_num_threads() == 1 else [1, torch.get_num_threads()]
+    vector_rows = [r for r in rows if r[0] == "cpu_vector"]
+    cache_rows = [r for r in rows if r[0] == "cpu_output_cache"]
+    # 4 forwards x 4 vector paths, 2 ops, at each thread count
+    assert len(vector_rows) == 16 * len(counts) and len(cache_rows) == 2 * len(counts)
+    assert len(rows) == len(vector_rows) + len(cache_rows)
+    for choice in bench_variants.VECTOR_CHOICES:
+        assert sum(r[1].endswith(f": {choice} vs scalar") for r in vector_rows) == 4 * len(counts)
+    assert {r[1].split(", 1x16x50x76")[0] for r in cache_rows} == {"roi_align fwd+bwd", "roi_pool fwd+bwd"}
+    for r in rows:
+        with_ms, without_ms = (float(v.split()[0]) * (1e-3 if v.endswith("µs") else 1) for v in r[2:4])
+        assert with_ms > 0 and without_ms > 0
+        assert float(r[4].rstrip("x")) == pytest.approx(without_ms / with_ms, rel=0.05, abs=0.01)
 
 
-def test_cpu_scaling_cache_ab_alternates_and_restores(monkeypatch, capsys):
-    from benchmarks import cpu_scaling
-    from detops import _C
+def test_bench_variants_only_and_unknown_names(capsys):
+    from benchmarks import bench_variants
 
-    limits = []  # the cache's limit at each call of the probe, read by setting it back
-    def probe():
-        limit = _C._set_cpu_output_cache(0)
-        _C._set_cpu_output_cache(limit)
-        limits.append(limit >> 20)
+    results = bench_variants.run(["cpu"], only=["cpu_output_cache"], quick=True)
+    assert results and {r.mechanism for r in results} == {"cpu_output_cache"}
+    assert bench_variants.run(["cpu"], only=["roi_kernel", "cuda_graphs"], quick=True) == []
+    with pytest.raises(SystemExit):
+        bench_variants.main(["--quick", "--only", "cpu_vector,nope"])
 
-    monkeypatch.setattr(cpu_scaling, "selected_cases", lambda names: [("probe", probe, 3)])
-    before_threads, before_limit = torch.get_num_threads(), _C._set_cpu_output_cache(3 << 20)
-    try:
-        cpu_scaling.cache_ab(None, 1, 3, 0.01, 64)
-        assert torch.get_num_threads() == before_threads
-        assert _C._set_cpu_output_cache(0) == 3 << 20  # set back
-        # rounds off-on, on-off, off-on: four stretches of calls at one setting each
-        runs = [k for i, k in enumerate(limits) if i == 0 or limits[i - 1] != k]
-        assert runs == [0, 64, 0, 64]
-        line = capsys.readouterr().out.strip()
-        assert line.startswith("probe 1 thread: cache off ") and "on (64 MiB)" in line and "of 3 rounds" in line
-        with pytest.raises(SystemExit, match="--cache-ab needs a positive MiB"):
-            cpu_scaling.cache_ab(None, 1, 1, 0.01, 0)
-    finally:
-        _C._set_cpu_output_cache(0)
-        _C._set_cpu_output_cache(before_limit)
+
+def test_alternate_takes_turns_and_keeps_each_settings_times(monkeypatch):
+    """Each round times every setting once, in reversed order every other round, and each
+    setting's result is the median of its own rounds."""
+    import contextlib
+
+    from benchmarks import bench_variants
+
+    entered, current = [], []
+
+    def setting(name):
+        @contextlib.contextmanager
+        def enter():
+            entered.append(name)
+            current.append(name)
+            yield
+            current.pop()
+        return enter
+
+    per_call = {"a": iter([1.0, 5.0, 3.0]), "b": iter([10.0, 30.0, 20.0])}
+    monkeypatch.setattr(bench_variants, "median_ms", lambda fn, device, **kw: next(per_call[current[-1]]))
+    got = bench_variants.alternate(lambda: None, [setting("a"), setting("b")], "cpu", bench_variants.Runs(3, 1, 0))
+    assert entered == ["a", "b", "b", "a", "a", "b"]
+    assert got == [3.0, 20.0]
+
+
+def test_vector_paths_must_give_the_scalar_bits():
+    """A forward whose bits differ under a vector path from the scalar code's stops the run."""
+    from benchmarks import bench_variants
+
+    def choice_length():  # the current choice's name, as a length: "auto" 4, "scalar" 6
+        return torch.tensor([float(len(_vector_choice()))])
+
+    bench_variants.check_vector_paths("same", lambda: (torch.ones(2), torch.arange(3)))
+    with pytest.raises(SystemExit, match="probe under cpu_vector\\('auto'\\) differs from the scalar code"):
+        bench_variants.check_vector_paths("probe", choice_length)
+    assert _vector_choice() == "auto"
+
+
+def test_graph_runners_are_found_and_swapped_back():
+    """bench_variants turns the detector's CUDA graphs off by swapping its runners: the
+    backbone's, the RPN's and the box head sampler's, all put back afterwards."""
+    from benchmarks import bench_variants
+    from detops.config import get_cfg
+    from detops.modeling import build_detection_model
+    from detops.modeling.cuda_graph import GraphedFunction, GraphedTraining
+
+    cfg = get_cfg()
+    cfg.merge_from_file(os.path.join(ROOT, "configs", "shapes_mask_rcnn_R_18_FPN.yaml"))
+    cfg.merge_from_list(["MODEL.FPN.OUT_CHANNELS", 32, "MODEL.ROI_BOX_HEAD.MLP_HEAD_DIM", 64])
+    model = build_detection_model(cfg)
+    places = bench_variants.graph_runners(model)
+    names = sorted(name for _, name in places)
+    assert names == ["backbone_graphs", "graphs", "target_graphs"]
+    assert model.backbone_graphs in [getattr(o, n) for o, n in places]
+    before = [getattr(o, n) for o, n in places]
+    off = [type(r)(max_graphs=0, after=r.after, warmup=r.warmup) for r in before]
+    with bench_variants.installed(places, off):
+        assert all(getattr(o, n).max_graphs == 0 for o, n in places)
+        assert isinstance(model.backbone_graphs, GraphedTraining)
+        assert isinstance(model.rpn.target_graphs, GraphedFunction)
+    assert [getattr(o, n) for o, n in places] == before
+    assert all(r.max_graphs > 0 for r in before)
