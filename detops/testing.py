@@ -1,10 +1,17 @@
 """Synthetic inputs shared by the tests and the benchmarks (deterministic by seed)."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 from torch import Tensor
+
+
+def registered_ops(namespace: str = "detops") -> List[str]:
+    """The names of the ops registered in `namespace` (detops' schemas, csrc/vision.cpp), sorted,
+    without the namespace: the op lists of the tests derive from it."""
+    prefix = namespace + "::"
+    return sorted({n[len(prefix):].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)})
 
 
 def random_boxes(

@@ -7,15 +7,45 @@ import torch
 
 import detops
 from detops import _extension
+from detops.testing import registered_ops
+
+
+# What every registered op needs: a CPU kernel, a CUDA kernel (in a CPU-only build, the entry
+# that explains how to rebuild) and a fake kernel for torch.compile / export (Meta).
+KERNEL_KEYS = ("CPU", "CUDA", "Meta")
+
+
+def missing_kernels(namespace="detops"):
+    """(op, dispatch key) for every op of `namespace` without a kernel for one of KERNEL_KEYS."""
+    return [
+        (name, key)
+        for name in registered_ops(namespace)
+        for key in KERNEL_KEYS
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{name}", key)
+    ]
 
 
 def test_import_loads_torch_and_ops():
     assert detops._C.torch_version().split(".")[:2] == torch.__version__.split("+")[0].split(".")[:2]
-    for name in ["nms", "batched_nms", "roi_align", "_roi_align_backward", "roi_pool", "_roi_pool_values",
-                 "_roi_pool_backward"]:
+    names = registered_ops()
+    # every op function of detops.ops is a registered op
+    assert {n for n in detops.ops.__all__ if n.islower()} <= set(names), names
+    for name in names:
         assert hasattr(torch.ops.detops, name)
-        for key in ("CPU", "CUDA"):
-            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"detops::{name}", key), (name, key)
+    assert missing_kernels() == []
+
+
+def test_an_op_without_its_kernels_is_found():
+    """The check above covers an op as soon as its schema is registered: one defined with only a
+    CPU kernel is reported for CUDA and Meta."""
+    lib = torch.library.Library("detops_probe", "DEF")
+    try:
+        lib.define("probe(Tensor x) -> Tensor")
+        lib.impl("probe", lambda x: x.clone(), "CPU")
+        assert registered_ops("detops_probe") == ["probe"]
+        assert missing_kernels("detops_probe") == [("probe", "CUDA"), ("probe", "Meta")]
+    finally:
+        lib._destroy()
 
 
 def test_mismatched_build_explains_and_gives_the_rebuild_command(monkeypatch):
@@ -97,9 +127,8 @@ def test_cuda_kernel_reached_with_wrong_tensors_explains():
 
 def test_error_checks_build_their_messages_without_ostream():
     """TORCH_CHECK formats its message's numbers through std::ostream, which crashes the process
-    with some pairings of a torch wheel and the system's libstdc++ (csrc/common/checks.h): a
-    negative `_C._set_cpu_output_cache` did so under torch 2.11 on an H200 machine. Every check
-    in csrc goes through DETOPS_CHECK, whose message never touches an ostream."""
+    with some pairings of a torch wheel and the system's libstdc++ (csrc/common/checks.h). Every
+    check in csrc goes through DETOPS_CHECK, whose message never touches an ostream."""
     import os
     import re
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from detops import jit
+from detops.testing import registered_ops
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +30,7 @@ CHECK = textwrap.dedent(
         warnings.simplefilter("always")
         import torch, detops, detops._C
     from detops import jit
+    from detops.testing import registered_ops
     C = detops._C
     boxes = torch.tensor([[0, 0, 10, 10], [1, 1, 10, 10], [20, 20, 30, 30]], dtype=torch.float32)
     scores = torch.tensor([0.9, 0.8, 0.7])
@@ -43,8 +45,9 @@ CHECK = textwrap.dedent(
         "torch_version": C.torch_version(),
         "with_cuda": C.with_cuda(),
         "functions": sorted(n for n in dir(C) if not n.startswith("_")),
-        "ops": sorted(n for n in ["nms", "batched_nms", "roi_align", "_roi_align_backward", "roi_pool",
-                                  "_roi_pool_values", "_roi_pool_backward"] if hasattr(torch.ops.detops, n)),
+        "ops": registered_ops(),
+        "missing_kernels": [[n, k] for n in registered_ops() for k in ("CPU", "CUDA", "Meta")
+                            if not torch._C._dispatch_has_kernel_for_dispatch_key("detops::" + n, k)],
         "nms": detops.ops.nms(boxes, scores, 0.5).tolist(),
         "c_nms": C.nms(boxes, scores, 0.5).tolist(),
         "roi_pool": out.flatten().tolist(),
@@ -125,8 +128,9 @@ def test_jit_module_matches_the_prebuilt_extension(jit_build):
     assert isinstance(got["with_cuda"], bool)
     prebuilt = sorted(n for n in dir(detops._C) if not n.startswith("_"))
     assert set(prebuilt) <= set(got["functions"]), set(prebuilt) - set(got["functions"])
-    assert got["ops"] == sorted(
-        ["nms", "batched_nms", "roi_align", "_roi_align_backward", "roi_pool", "_roi_pool_values", "_roi_pool_backward"])
+    # the same ops as the prebuilt extension (registered_ops: the detops namespace's schemas)
+    assert got["ops"] == registered_ops() and got["ops"], got["ops"]
+    assert got["missing_kernels"] == [], got["missing_kernels"]
     assert got["nms"] == got["c_nms"] == [0, 2]
     assert got["roi_pool"] == got["roi_pool_values"] == [5.0, 7.0, 13.0, 15.0]
     x = torch.arange(16, dtype=torch.float32).view(1, 1, 4, 4)
