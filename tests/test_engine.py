@@ -2,7 +2,6 @@
 checkpoint/architecture mismatch and the distributed (gloo, 2 CPU processes) path."""
 import json
 import os
-import shutil
 import socket
 
 import pytest

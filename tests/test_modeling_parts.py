@@ -2,7 +2,6 @@
 sampler, pooler, post-processing helpers."""
 import pytest
 import torch
-import torchvision
 
 from detops.config import get_cfg
 from detops.modeling.balanced_positive_negative_sampler import BalancedPositiveNegativeSampler

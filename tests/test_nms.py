@@ -9,7 +9,7 @@ import detops
 from detops.ops import batched_nms, nms
 from detops.reference import nms as ref
 from detops.testing import clustered_boxes, random_boxes
-from tests.conftest import DEVICES, cuda_param
+from tests.conftest import DEVICES
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 THRESHOLDS = [0.2, 0.5, 0.8]

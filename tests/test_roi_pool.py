@@ -12,7 +12,6 @@ from detops.testing import random_rois as bench_rois
 from tests.conftest import (
     DEVICES,
     assert_fails_device_assert,
-    cuda_param,
     dense_rois,
     invalid_batch_index_code,
     large_output_case,

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 from typing import List, Sequence, Tuple, Union
 
-import torch
 from torch import Tensor
 
 

@@ -1,8 +1,6 @@
 """Backbone factory: MODEL.BACKBONE.CONV_BODY -> a registered builder."""
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from torch import nn
 
 from ..registry import BACKBONES

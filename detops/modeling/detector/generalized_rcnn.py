@@ -1,7 +1,7 @@
 """GeneralizedRCNN: backbone + RPN + RoI heads."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 from torch import Tensor, nn
