@@ -1,7 +1,8 @@
-"""The CPU kernels' output cache (csrc/cpu/output_cache.h): outputs of 1 MiB or more take their
-buffers from freed outputs kept for reuse, up to a limit in bytes (DETOPS_CPU_OUTPUT_CACHE_MB;
-64 MiB by default, 0 turns it off), so repeated calls do not fault on fresh pages. A reused
-buffer holds the last output's values; the kernels overwrite every element."""
+"""The CPU kernels' output cache (csrc/cpu/output_cache.h): off by default; turned on with a
+limit in bytes (DETOPS_CPU_OUTPUT_CACHE_MB=N MiB, N > 0, or _C._set_cpu_output_cache), outputs of
+1 MiB or more take their buffers from freed outputs kept for reuse, so repeated calls do not
+fault on fresh pages. A reused buffer holds the last output's values; the kernels overwrite
+every element."""
 import math
 import os
 import subprocess
@@ -173,8 +174,9 @@ def run_python(code, **env):
     return subprocess.run([sys.executable, "-c", code], env=full, cwd=ROOT, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("value, limit", [("0", 0), ("256", 256 * MIB), ("", 64 * MIB), (None, 64 * MIB)])
+@pytest.mark.parametrize("value, limit", [("0", 0), ("256", 256 * MIB), ("", 0), (None, 0)])
 def test_the_limit_comes_from_the_environment(value, limit):
+    """Off unless DETOPS_CPU_OUTPUT_CACHE_MB names a positive number of MiB."""
     code = (
         "import torch, detops; from detops import _C\n"
         "x = torch.randn(2, 64, 40, 60); r = torch.tensor([[0, 1, 1, 50, 50.]]).repeat(256, 1)\n"
@@ -202,3 +204,21 @@ def test_a_bad_limit_in_the_environment_names_the_variable():
 def test_a_negative_limit_is_refused():
     with pytest.raises(RuntimeError, match="_set_cpu_output_cache: bytes must be >= 0"):
         _C._set_cpu_output_cache(-1)
+
+
+def test_off_by_default_and_turned_on_at_run_time():
+    """Without the environment variable nothing is kept; _set_cpu_output_cache turns the cache on
+    (the freed output kept and its buffer reused), and 0 turns it off again."""
+    code = (
+        "import torch, detops; from detops import _C\n"
+        "x = torch.randn(2, 64, 40, 60); r = torch.tensor([[0, 1, 1, 50, 50.]]).repeat(256, 1)\n"
+        "f = lambda: detops.ops.roi_align(x, r, 7, 0.25, 2, True)\n"
+        "f(); off = _C._cpu_output_cache_bytes()\n"
+        "previous = _C._set_cpu_output_cache(64 << 20)\n"
+        "y = f(); ptr = y.data_ptr(); del y\n"
+        "kept = _C._cpu_output_cache_bytes(); reused = f().data_ptr() == ptr\n"
+        "print(off, previous, kept > 0, reused, _C._set_cpu_output_cache(0), _C._cpu_output_cache_bytes())\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "0", "True", "True", str(64 * MIB), "0"]

@@ -1,32 +1,23 @@
 // Buffers of the CPU kernels' large outputs, kept for reuse after the tensors that held them
-// are freed: up to 64 MiB unless DETOPS_CPU_OUTPUT_CACHE_MB says otherwise.
+// are freed. Off by default: DETOPS_CPU_OUTPUT_CACHE_MB=N (N > 0, read once) keeps up to N MiB,
+// and _C._set_cpu_output_cache(bytes) sets the limit at run time (0 turns it off again).
 //
 // torch's CPU allocator hands each tensor to malloc and each freed tensor back to it. With
-// glibc, a buffer of a few MiB comes from the top of the heap, and freeing buffers there
-// returns the top of the heap to the OS once more than the trim threshold lies free (twice
-// the mmap threshold, which grows with the buffers freed): the next call's outputs then fault
-// on fresh pages, each zeroed by the OS. Whether that happens depends on what else the process
-// freed before, so it comes and goes between processes: a roi_pool forward+backward on a
-// 2x64x100x152 map frees a 7.8 MB gradient, a 3.2 MB output and a 3.2 MB argmax each call,
-// and some processes took 1,080-1,380 faults a call, others none. Threads of one process map
-// fresh pages six to nine times slower together than processes do, so a threaded call pays
-// most: on an H200 machine's 16 vCPUs, such processes' 16-thread call took 1.28-1.42 ms against
-// 0.79-1.13 ms without faults, and 8 threads 1.94-2.77 against 1.34-2.00 ms; they got 0.47-0.77
-// of 16 or 8 one-thread processes' throughput, against 0.67-1.07 for every process with the
-// cache, none of which faulted. Where a process takes no faults, calls with the cache on and
-// off differed by no more than 4% (BENCHMARKS.md, "Fresh pages: threads of one process against
-// processes", "The output cache on by default"); on a two-core virtual machine whose heap
-// glibc trims between calls it took 9-16% off roi_pool's forward+backward.
+// glibc, a buffer of a few MiB comes from the top of the heap, and freeing buffers there can
+// return the top of the heap to the OS (once more than the trim threshold lies free): the next
+// call's outputs then fault on fresh pages, each zeroed by the OS, and the threads of one
+// process fault one after another. Whether that happens depends on the machine and on what
+// else the process freed before, and where it does not, the cache changes nothing; hence
+// opt-in.
 //
 // The cache keeps up to kCacheMaxBlocks freed buffers of kCacheMinBytes or more, at most
-// limit() bytes in all (DETOPS_CPU_OUTPUT_CACHE_MB, in MiB, read once; kCacheDefaultLimit
-// without it, 0 keeps none), and gives an output the smallest kept buffer that holds it with
-// at most an eighth to spare. A buffer freed past the limit pushes out the longest kept ones;
-// one larger than the limit is freed at once. The buffers come from torch's own
-// c10::alloc_cpu, so a tensor made here is like one of at::empty's: aligned alike, resizable,
-// and freed from any thread. A kept buffer's pages are mapped already, so empty_output neither
-// advises huge pages for it nor maps it again; under deterministic algorithms its outputs skip
-// torch's NaN fill of uninitialized memory, since the kernels write every element.
+// limit() bytes in all, and gives an output the smallest kept buffer that holds it with at most
+// an eighth to spare. A buffer freed past the limit pushes out the longest kept ones; one
+// larger than the limit is freed at once. The buffers come from torch's own c10::alloc_cpu, so
+// a tensor made here is like one of at::empty's: aligned alike, resizable, and freed from any
+// thread. A kept buffer's pages are mapped already, so empty_output neither advises huge pages
+// for it nor maps it again; under deterministic algorithms its outputs skip torch's NaN fill of
+// uninitialized memory, since the kernels write every element.
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -53,9 +44,6 @@ namespace cpu {
 constexpr size_t kCacheMinBytes = size_t{1} << 20;
 // Buffers kept at most.
 constexpr size_t kCacheMaxBlocks = 16;
-// Bytes kept at most unless DETOPS_CPU_OUTPUT_CACHE_MB says otherwise: several calls' outputs
-// on a small map (the roi_pool forward+backward above frees 14 MB a call).
-constexpr size_t kCacheDefaultLimit = size_t{64} << 20;
 
 class OutputCache final : public c10::Allocator {
  public:
@@ -125,9 +113,9 @@ class OutputCache final : public c10::Allocator {
   explicit OutputCache(size_t limit) : limit_(limit) {}
 
   // The cache, made once, with its lock taken around every fork() of the process: a child
-  // forked while another thread held the lock (in take, release or set_limit) would otherwise
-  // wait for it forever, that thread not existing in the child (a DataLoader's workers are
-  // forked while other threads free tensors). As glibc does for malloc's own locks.
+  // forked while another thread held the lock (in limit, take, release or set_limit) would
+  // otherwise wait for it forever, that thread not existing in the child (a DataLoader's
+  // workers are forked while other threads free tensors). As glibc does for malloc's own locks.
   static OutputCache* create() {
     OutputCache* cache = new OutputCache(limit_from_env());
     instance_ = cache;
@@ -144,7 +132,7 @@ class OutputCache final : public c10::Allocator {
 
   static size_t limit_from_env() {
     const char* text = std::getenv("DETOPS_CPU_OUTPUT_CACHE_MB");
-    if (text == nullptr || *text == '\0') return kCacheDefaultLimit;
+    if (text == nullptr || *text == '\0') return 0;  // off
     char* end = nullptr;
     errno = 0;
     const unsigned long long mib = std::strtoull(text, &end, 10);

@@ -1,6 +1,8 @@
 // cpu::map_pages and cpu::empty_output (csrc/cpu/output_alloc.h): before a threaded kernel
 // writes a large output all over, every page of it is mapped, and no page outside it is
-// touched; an output whose tasks write ranges of their own is left to them.
+// touched; an output whose tasks write ranges of their own is left to them. cpu::OutputCache
+// (output_cache.h): off unless turned on; once on, a freed output's buffer is reused, and a
+// process forked while another thread uses it can use it.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -9,6 +11,7 @@
 #include <atomic>
 #include <csignal>
 #include <cstdint>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -144,6 +147,25 @@ TEST(EmptyOutput, AnOutputWrittenByTasksInRangesOfTheirOwnIsLeftToThem) {
 #endif
 }
 
+TEST(OutputCache, OffUnlessTurnedOn) {
+  const char* env = std::getenv("DETOPS_CPU_OUTPUT_CACHE_MB");
+  if (env != nullptr && std::strtoull(env, nullptr, 10) > 0) {
+    GTEST_SKIP() << "DETOPS_CPU_OUTPUT_CACHE_MB turns the cache on in this process";
+  }
+  detops::cpu::OutputCache& cache = detops::cpu::OutputCache::get();
+  EXPECT_EQ(cache.limit(), size_t{0});
+  at::Tensor t = detops::cpu::empty_output({3, 1 << 20}, at::TensorOptions().dtype(at::kFloat));
+  EXPECT_NE(t.storage().allocator(), &cache);  // torch's allocator
+  t.reset();
+  EXPECT_EQ(cache.kept_bytes(), size_t{0});
+  {
+    CacheLimit on(size_t{64} << 20);  // turned on at run time
+    at::Tensor u = detops::cpu::empty_output({3, 1 << 20}, at::TensorOptions().dtype(at::kFloat));
+    EXPECT_EQ(u.storage().allocator(), &cache);
+  }
+  EXPECT_EQ(cache.limit(), size_t{0});
+}
+
 TEST(OutputCache, AFreedOutputIsKeptAndItsMappedBufferReused) {
   CacheLimit limit(size_t{64} << 20);
   const at::TensorOptions floats = at::TensorOptions().dtype(at::kFloat);
@@ -162,7 +184,6 @@ TEST(OutputCache, AFreedOutputIsKeptAndItsMappedBufferReused) {
   EXPECT_TRUE(cl.is_contiguous(at::MemoryFormat::ChannelsLast));
   EXPECT_FALSE(cl.is_contiguous());
 }
-
 
 TEST(OutputCache, AProcessForkedWhileAnotherThreadUsesItCanUseIt) {
 #if defined(__linux__)
