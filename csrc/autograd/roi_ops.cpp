@@ -10,8 +10,7 @@
 // The backwards write the gradient plane by plane (NCHW). For an input stored channels_last the
 // gradient is returned in that layout (_to_channels_last), as torch's own pooling ops do. A
 // leaf's AccumulateGrad, or the next op's backward, would otherwise make that copy itself: on the
-// CPU into fresh 4 KiB pages, on CUDA through torch's copy, which reads a sector for each value
-// (BENCHMARKS.md, "CPU channels_last gradients", "CUDA channels_last gradients").
+// CPU into fresh 4 KiB pages, on CUDA through torch's copy, which reads a sector for each value.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>

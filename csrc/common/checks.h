@@ -17,9 +17,9 @@ namespace detops {
 namespace checks {
 
 // Error messages are assembled here rather than by streaming numbers into an ostream: with some
-// pairings of a torch wheel and the system's libstdc++ (seen with torch 2.11 on Ubuntu 24.04),
-// formatting a number through std::ostream inside an extension crashes the process. Numbers
-// go through std::to_string / snprintf; strings, dtypes and devices are appended as text.
+// pairings of a torch wheel and the system's libstdc++, formatting a number through
+// std::ostream inside an extension crashes the process. Numbers go through std::to_string /
+// snprintf; strings, dtypes and devices are appended as text.
 inline void append(std::string& out, const char* s) { out += s; }
 inline void append(std::string& out, const std::string& s) { out += s; }
 inline void append(std::string& out, char c) { out += c; }

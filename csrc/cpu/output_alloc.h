@@ -32,24 +32,23 @@ constexpr int kPopulateWrite = 23;
 
 // An uninitialized output whose every element the kernel writes. A large allocation is fresh
 // memory (glibc maps allocations of 32 MiB and more anew each time), so each 4 KiB page the
-// kernel first writes is a page fault that zeroes it: a 51 MB roi_align output takes 12.5 k
-// faults, about a sixth of the forward's time on one core, and faults taken by many threads
-// at once contend in the OS. Buffers of kHugePageMinBytes or more therefore ask for 2 MiB
-// transparent huge pages over their 2 MiB-aligned interior, as torch's THP_MEM_ALLOC_ENABLE
-// does for every allocation. It is a hint: where the system has transparent huge pages off,
-// or the memory is already in use, nothing changes.
+// kernel first writes is a page fault that zeroes it (a noticeable part of a forward's time
+// on one core), and faults taken by many threads at once contend in the OS. Buffers of
+// kHugePageMinBytes or more therefore ask for 2 MiB transparent huge pages over their
+// 2 MiB-aligned interior, as torch's THP_MEM_ALLOC_ENABLE does for every allocation. It is a
+// hint: where the system has transparent huge pages off, or the memory is already in use,
+// nothing changes.
 //
 // With several threads, such a buffer's pages are then mapped in parallel before the kernel
 // runs (map_pages), unless the kernel's tasks first write ranges of their own (FirstWrites).
 // The forwards' threads write all over their output (a thread's items are RoIs of every part
 // of it), so their first writes would fault on the same pages at once and queue behind each
-// other in the OS: a 16-thread roi_align forward whose output was touched first spent 13.6
-// instead of 16.8 ms in its kernel (BENCHMARKS.md, "CPU thread scaling").
+// other in the OS.
 //
 // map_pages maps [begin, end) for writing, splitting it into tasks that each fault pages of
 // one kind: every whole 2 MiB page of the interior alone, and the 4 KiB pages at either end in
-// pieces of 256 KiB (up to 2 MiB at each end: most of the 795 faults of a 51 MB output, which
-// in ranges of the threads' equal shares fell to two threads). A task asks the OS to map its
+// pieces of 256 KiB (up to 2 MiB at each end: most of the faults of a large output, which
+// ranges of equal shares would leave to two threads). A task asks the OS to map its
 // range (MADV_POPULATE_WRITE, Linux 5.14 and later), which faults the pages in one system call
 // and leaves their contents alone; where the OS does not have it, the task writes a zero byte
 // to each page, which the kernel then overwrites.
@@ -82,13 +81,12 @@ inline void map_pages(uintptr_t begin, uintptr_t end) {
 // Where a kernel's threads first write its output: kAnywhere, every thread all over it (the
 // forwards), so its pages are mapped first; kOwnRanges, each task a range of its own (the
 // backwards zero their planes' rows before adding into them), so a task's first writes fault
-// on pages no other thread writes, while the other threads work. A 16-thread 2x256x200x304
-// roi_align backward spent 2.2-2.8 ms of its 17-20 ms mapping its 124 MB grad_input first, and
-// took 2.5-4% less time without that step (BENCHMARKS.md, "The large maps at 16 threads").
+// on pages no other thread writes, while the other threads work, and mapping the pages first
+// would only add a step before the kernel.
 enum class FirstWrites { kAnywhere, kOwnRanges };
 
-// With the OutputCache on (output_cache.h), an output of kCacheMinBytes or more takes its
-// buffer from it; a kept buffer is mapped already.
+// With the OutputCache turned on (output_cache.h; off by default), an output of
+// kCacheMinBytes or more takes its buffer from it; a kept buffer is mapped already.
 inline at::Tensor empty_output(
     at::IntArrayRef sizes, const at::TensorOptions& options,
     FirstWrites first_writes = FirstWrites::kAnywhere) {

@@ -178,9 +178,8 @@ constexpr double kSharedTableBytes = 64.0 * (1 << 20);
 // builds a strided share of them (build_share), then runs its items, which take their RoIs'
 // tables with get(). A table is built once, by whichever thread claims it first; a thread
 // that needs a table another thread is still building builds its own copy rather than wait.
-// Built instead by a parallel loop of their own into per-RoI vectors (several allocations per
-// RoI, all freed by the calling thread), they cost a 16-thread forward of 256 RoIs about
-// 0.1 ms of its 0.5-0.7 ms (BENCHMARKS.md, "Sample tables in the kernel's own region").
+// Building them here, in one allocation, saves a parallel loop of their own and the per-RoI
+// allocations that the calling thread would free, a sizeable part of a short threaded call.
 template <typename T>
 class SharedTables {
  public:
@@ -372,9 +371,8 @@ void forward_typed(
   // task's range of items reads one or a few channel blocks of the map: with NCHW input their
   // planes, which stay in its core's cache; with channels_last input their slice of each
   // pixel, the image's RoIs ordered by the band of rows that holds their centres, so that
-  // consecutive items read nearby pixels (BENCHMARKS.md, "CPU roi_align forward,
-  // channels_last: RoIs by the rows of their centres"). Otherwise an item is (RoI, channel
-  // block), channel block fastest: a task that builds its own tables builds each once.
+  // consecutive items read nearby pixels. Otherwise an item is (RoI, channel block), channel
+  // block fastest: a task that builds its own tables builds each once.
   const bool by_block = !tables.empty();
   std::vector<int64_t> first, order;
   if (by_block && nhwc) {
@@ -481,7 +479,7 @@ void backward_typed(
   // a thread fewer than four chunks, each chunk is cut into bands of rows (at least
   // kBackwardBandRows each), a task adding only what lands in its band's rows: otherwise a
   // call whose chunks are one per thread lasts as long as its slowest core, which on a shared
-  // machine runs up to twice as slow as the others (BENCHMARKS.md, "CPU thread scaling").
+  // machine runs up to twice as slow as the others.
   // Where each thread has four chunks, only the last chunk of each share is cut, into
   // kBackwardTailBands bands: the tasks that end the shares, and so the call, are a quarter of
   // a chunk, while three quarters of the work runs without the bands' cost (a RoI's bin rows

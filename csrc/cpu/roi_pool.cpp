@@ -262,10 +262,8 @@ using Lanes = cpu::Avx512Lanes;
 enum class ForwardPath { kScalar, kSse2, kAvx2, kAvx512 };
 
 // The path of a float32 input that the vector path takes, by cpu_vector() and this CPU. With
-// the default choice, Avx512Lanes on Intel CPUs with AVX-512VL and Avx2Lanes on others: with
-// the masks the forward with argmax took 11-17% less time on H200 hosts' Intel Xeons and 13%
-// more on an AMD EPYC (BENCHMARKS.md, "CPU roi_pool forward: bin windows per axis, the argmax
-// under AVX-512VL masks").
+// the default choice, Avx512Lanes on Intel CPUs with AVX-512VL and Avx2Lanes on others: the
+// masks speed up the forward with argmax on Intel CPUs and slow it down on AMD ones.
 ForwardPath vector_forward_path() {
   const CpuVector choice = cpu_vector();
   if (choice == CpuVector::kScalar) return ForwardPath::kScalar;
@@ -322,18 +320,14 @@ void roi_pool_forward_typed(
 
   // Items run RoI fastest: item = group * K + j is RoI order[j] and channel group item / K, a
   // group being one block, or with channels inner up to 4 adjacent ones, which read whole
-  // 64-byte lines (BENCHMARKS.md, "CPU roi_pool forward, channels_last: whole lines an item").
-  // A thread's range of items holds RoIs of all sizes, so equal ranges are about equal work,
-  // and reads one or a few groups' channels: with NCHW input their planes, the RoIs in index
-  // order; with channels inner their slice of every pixel, larger than a core's cache, so
-  // there each image's RoIs run in bands of the rows of their centres and consecutive items
-  // read nearby pixels (BENCHMARKS.md, "CPU roi_pool forward, channels_last: RoIs by the rows
-  // of their centres"). Equal shares, a chunk at a time; threads done early
-  // help the others. A chunk is one item of a few microseconds, so the threads end within
-  // about an item of each other, also where one core runs at half the speed of the others
-  // (with 8 items a chunk, a 16-thread call on the small map ended its threads 69-78 us
-  // apart, with one 9-11 us: BENCHMARKS.md, "roi_pool forward+backward: the threads' last
-  // chunks"). A thread's buffers live across its chunks, so a chunk allocates nothing.
+  // 64-byte lines. A thread's range of items holds RoIs of all sizes, so equal ranges are about
+  // equal work, and reads one or a few groups' channels: with NCHW input their planes, the RoIs
+  // in index order; with channels inner their slice of every pixel, larger than a core's cache,
+  // so there each image's RoIs run in bands of the rows of their centres and consecutive items
+  // read nearby pixels. Equal shares, a chunk at a time; threads done early help the others. A
+  // chunk is one item of a few microseconds, so the threads end within about an item of each
+  // other, also where one core runs at half the speed of the others. A thread's buffers live
+  // across its chunks, so a chunk allocates nothing.
   const int64_t num_rois = rois.size(0);
   const bool by_centre = s_c == 1 && channels > 1;  // channels inner
   // blocks an item: with channels inner, the vector path reads 4 adjacent blocks at a time
@@ -492,10 +486,8 @@ bool roi_pool_backward_typed(
 
   // Chunks of equal work, up to kBackwardChunksPerThread per thread and at least a plane
   // each, taken in order from equal shares (threads done early help the others); the chunking
-  // never changes the order in which a plane receives its additions. A plane of the small map
-  // takes 10-30 us: with four chunks a thread, two planes each at 16 threads, the threads
-  // ended 62-73 us apart, with a plane each 33-37 us (BENCHMARKS.md, "roi_pool
-  // forward+backward: the threads' last chunks").
+  // never changes the order in which a plane receives its additions. Chunks of a plane or a
+  // few let the threads end within about a plane of each other.
   const int64_t planes = batch * channels;
   const int64_t chunks = std::max<int64_t>(
       1, std::min<int64_t>(planes, int64_t{at::get_num_threads()} * kBackwardChunksPerThread));

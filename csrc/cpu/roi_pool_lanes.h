@@ -154,8 +154,8 @@ struct Avx2Lanes {
   using F = __m256;
   using I = __m256i;
   // Channel blocks that step 1 of the argmax reads in one pass with channels inner: 2 blocks
-  // at two columns keep 8 vectors of maxima and indices, half of AVX2's 16 registers; 4 keep
-  // 16, all of them, and spill the loads and index steps (10-15% slower on an AMD EPYC).
+  // at two columns keep 8 vectors of maxima and indices, half of AVX2's 16 registers; 4 would
+  // keep 16, all of them, and spill the loads and index steps.
   static constexpr int kIndexBlocks = 2;
 
   DETOPS_AVX2_INLINE static F fill(float v) {
@@ -244,9 +244,7 @@ inline bool cpu_is_intel() {
 struct Avx512Lanes : Avx2Lanes {
   using Avx2Lanes::keep_greater;
   // With AVX-512VL the compiler has 32 vector registers for these 256-bit vectors, room for
-  // the 16 vectors of 4 blocks: 17-22% less time for the channels_last argmax forward at one
-  // thread on H200 hosts' Intel Xeons (BENCHMARKS.md, "On the H200 hosts' Intel CPUs; four
-  // blocks with argmax under the masks").
+  // the 16 vectors of 4 blocks, which read whole 64-byte lines of a channels_last map.
   static constexpr int kIndexBlocks = 4;
 
   DETOPS_AVX512_INLINE static void keep_greater(F v, I idx, F& m, I& r) {  // as Sse2Lanes'

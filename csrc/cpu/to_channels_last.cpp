@@ -3,10 +3,9 @@
 // channels_last, the autograd returns the gradient in the input's layout through this op.
 //
 // torch would make the same copy (AccumulateGrad copies a gradient into its leaf's layout), into
-// fresh 4 KiB pages: on one thread of the development machine, for a 2x256x200x304 float32 map,
-// 72 ms, of which 41 ms are the page faults of the new 62 MB and 29 ms the strided copy itself.
+// fresh 4 KiB pages, whose page faults cost more than the strided copy itself on a large map.
 // Here the output asks for huge pages as the kernels' outputs do (cpu::empty_output), and torch's
-// own copy fills it (BENCHMARKS.md, "CPU channels_last gradients").
+// own copy fills it.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -2,9 +2,8 @@
 // not run at the same speed.
 //
 // at::parallel_for gives each thread one fixed, equal range, so a call lasts as long as its
-// slowest thread. On a shared machine the cores run the same work up to twice apart (another
-// process on a core, its clock): a 16-thread roi_align forward on a 2x256x200x304 map measured
-// threads ending between 6.3 and 13.5 ms (BENCHMARKS.md, "CPU thread scaling").
+// slowest thread; on a shared machine the cores can run the same work up to twice apart
+// (another process on a core, its clock).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -21,7 +21,7 @@ _C.MODEL.WEIGHT = ""
 # Memory format of the convolutions' weights and activations: "contiguous" (default),
 # "channels_last" or "auto" (channels_last on CUDA, contiguous elsewhere). On CUDA, channels_last
 # needs no cuDNN layout transposes and detops' RoIAlign reads channels_last features directly
-# (training about 10% faster on an H200), but its detections differ from torchvision's by more
+# (training runs faster), but its detections differ from torchvision's by more
 # than the parity tests' tolerances (scores beyond 1e-4), so it is opt-in. On CPU it gives the
 # same detections.
 _C.MODEL.MEMORY_FORMAT = "contiguous"
