@@ -8,7 +8,7 @@
 // first maximum wins, NaN never does):
 //   * float32 with contiguous rows (NCHW) or contiguous channels (channels_last) and at least
 //     8 channels: the vector path (roi_pool_block.h), AVX2 where the CPU has it (with
-//     AVX-512VL's masks on Intel CPUs that have them), else SSE2;
+//     AVX-512VL's masks for the argmax on Intel CPUs that have them), else SSE2;
 //     the block's channels are the vector lanes, and each bin row's column maxima are found
 //     once for all the bins of that row (see "two steps" below);
 //   * any other input: a scalar scan per channel and bin (window_max).
@@ -261,15 +261,16 @@ using Lanes = cpu::Avx512Lanes;
 
 enum class ForwardPath { kScalar, kSse2, kAvx2, kAvx512 };
 
-// The path of a float32 input that the vector path takes, by cpu_vector() and this CPU. With
-// the default choice, Avx512Lanes on Intel CPUs with AVX-512VL and Avx2Lanes on others: the
-// masks speed up the forward with argmax on Intel CPUs and slow it down on AMD ones.
-ForwardPath vector_forward_path() {
+// The path of a float32 input that the vector path takes, by cpu_vector(), this CPU and
+// whether argmax is computed. Avx512Lanes differ from Avx2Lanes in the index steps alone, so
+// they serve the forward with argmax only; with the default choice, on Intel CPUs with
+// AVX-512VL, where the masks speed it up (on AMD ones they slow it down).
+ForwardPath vector_forward_path(bool with_argmax) {
   const CpuVector choice = cpu_vector();
   if (choice == CpuVector::kScalar) return ForwardPath::kScalar;
 #ifdef DETOPS_CPU_AVX2
-  const bool masks =
-      choice == CpuVector::kAvx512 || (choice == CpuVector::kAuto && cpu::cpu_is_intel());
+  const bool masks = with_argmax &&
+      (choice == CpuVector::kAvx512 || (choice == CpuVector::kAuto && cpu::cpu_is_intel()));
   if (masks && cpu::cpu_has_avx512vl()) return ForwardPath::kAvx512;
   if (choice != CpuVector::kSse2 && cpu::cpu_has_avx2()) return ForwardPath::kAvx2;
 #endif
@@ -314,7 +315,7 @@ void roi_pool_forward_typed(
   const bool vector_rows = s_w == 1 && width >= 4;
   const ForwardPath path = std::is_same<scalar_t, float>::value &&
           channels >= kChannelBlock && (vector_rows || s_c == 1)
-      ? vector_forward_path()
+      ? vector_forward_path(arg != nullptr)
       : ForwardPath::kScalar;
   const bool vector_path = path != ForwardPath::kScalar;
 
@@ -399,7 +400,7 @@ void roi_pool_forward_typed(
             };
 #ifdef DETOPS_CPU_AVX2
             if (path == ForwardPath::kAvx512) {
-              block(a ? avx512::pool_block<true> : avx512::pool_block<false>);
+              block(avx512::pool_block<true>);  // with argmax only (vector_forward_path)
             }
             if (path == ForwardPath::kAvx2) {
               block(a ? avx2::pool_block<true> : avx2::pool_block<false>);

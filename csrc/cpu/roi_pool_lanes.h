@@ -240,7 +240,7 @@ inline bool cpu_is_intel() {
 
 // Avx2Lanes whose index-tracking steps compare into a mask register and move the index under
 // it, where Avx2Lanes compares into a vector and selects by VBLENDVPS. Same results: the masks
-// are the same comparisons.
+// are the same comparisons. Used for the forward with argmax only.
 struct Avx512Lanes : Avx2Lanes {
   using Avx2Lanes::keep_greater;
   // With AVX-512VL the compiler has 32 vector registers for these 256-bit vectors, room for

@@ -62,7 +62,8 @@ def cpu_vector(name: str) -> Iterator[None]:
     """Within the block, the CPU roi_pool forward on float32 input uses the chosen instructions:
     'auto' (the default: AVX2 where the CPU has it, with AVX-512VL's mask registers for the
     argmax on Intel CPUs that have them, else SSE2 on x86-64, else scalar code), 'avx512'
-    (AVX2 with the masks on any CPU that has them), 'avx2' (no AVX-512), 'sse2' or 'scalar'.
+    (AVX2, with the masks for the argmax on any CPU that has them), 'avx2' (no AVX-512), 'sse2'
+    or 'scalar'.
     A choice the CPU lacks falls back to the next narrower one. Process-wide; for benchmarks
     and tests that compare the paths, which give the same bits."""
     from detops import _C
