@@ -35,8 +35,11 @@ import argparse
 import contextlib
 import functools
 import gc
+import os
+import resource
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -93,6 +96,34 @@ def alternate(fn: Callable[[], object], settings: Sequence[Callable[[], ContextM
             with settings[i]():
                 times[i].append(median_ms(fn, device, warmup=runs.warmup, runs=runs.runs, max_seconds=30.0))
     return [statistics.median(t) for t in times]
+
+
+def machine_cpu_seconds() -> Optional[float]:
+    """CPU seconds every process of the machine has used since boot (Linux), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields[:8]) - fields[3] - fields[4]  # all but idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def load_note(machine_before: Optional[float], own_before: float, wall_before: float) -> str:
+    """What other processes used of the CPUs while the rows were timed: a threaded CPU call on a
+    machine that is busy elsewhere waits for its threads' turns, and its row says so only here."""
+    machine = machine_cpu_seconds()
+    if machine is None or machine_before is None:
+        return ""
+    others = max(machine - machine_before - (own_cpu_seconds() - own_before), 0.0)
+    wall = time.perf_counter() - wall_before
+    return (f"Other processes used {others:.0f} CPU seconds during the {wall:.0f} s of this run "
+            f"({others / wall:.2f} of {os.cpu_count()} CPUs on average).")
 
 
 def thread_counts() -> List[int]:
@@ -250,7 +281,7 @@ def cuda_graph_rows(device: str, quick: bool, results: List[Result]) -> None:
             missing = [name for (_, name), r in zip(places, on) if r.max_graphs and not r.replays]
             if missing:  # a runner that never replayed: "with" timed eager work there
                 case += f" ({', '.join(missing)} not replayed)"
-            del on, off
+            on = off = None  # the graphs and their memory go
             torch.cuda.empty_cache()
             emit(results, Result("cuda_graphs", case, with_ms, without_ms))
     model.memory_format = "contiguous"
@@ -397,10 +428,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         (" --quick" if a.quick else "")
     head = f"Measured with `{command}`:\n\n{environment()}\n"
     print(head + "\n" + HEADER, flush=True)
+    before = machine_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
     results = run(devices, only, a.quick)
+    note = load_note(*before)
+    print("\n" + note, flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            f.write(head + "\n" + HEADER + "\n" + "".join(format_result(r) + "\n" for r in results))
+            f.write(head + "\n" + HEADER + "\n" + "".join(format_result(r) + "\n" for r in results) + "\n" + note + "\n")
 
 
 if __name__ == "__main__":

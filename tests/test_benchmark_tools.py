@@ -121,6 +121,8 @@ def test_bench_variants_quick_cpu_prints_and_writes_its_table(tmp_path, capsys):
     text = out.read_text()
     header = "| mechanism | case | with | without | gain (without / with) |"
     assert header in printed and header in text
+    if os.path.exists("/proc/stat"):  # the other processes' share of the CPUs during the run
+        assert re.search(r"Other processes used \d+ CPU seconds during the \d+ s of this run", text.splitlines()[-1])
     rows = [_columns(line) for line in text.splitlines() if line.startswith("| cpu_")]
     assert all(f"| {' | '.join(r)} |" in printed for r in rows)
     counts = [1] if torch.get_num_threads() == 1 else [1, torch.get_num_threads()]
@@ -146,6 +148,56 @@ def test_bench_variants_only_and_unknown_names(capsys):
     assert bench_variants.run(["cpu"], only=["roi_kernel", "cuda_graphs"], quick=True) == []
     with pytest.raises(SystemExit):
         bench_variants.main(["--quick", "--only", "cpu_vector,nope"])
+
+
+def test_roi_kernel_rows_check_and_time_each_part():
+    """The CUDA kernel-choice rows' code on the CPU, where both choices run the CPU kernels: each
+    op, layout and part (forward, backward alone, forward+backward) checked and timed."""
+    from benchmarks import bench_variants
+
+    results = []
+    bench_variants.roi_kernel_rows("cpu", True, results)
+    assert [r.case for r in results] == [
+        f"{op} {part}, fp32, 7x7, {layout}: auto vs gather"
+        for op in ("roi_align", "roi_pool") for layout in ("NCHW", "channels_last") for part in ("fwd", "bwd", "fwd+bwd")]
+    assert all(r.mechanism == "roi_kernel" and r.with_ms > 0 and r.without_ms > 0 for r in results)
+
+
+def test_roi_choice_check_catches_a_wrong_gradient():
+    from benchmarks import bench_variants
+    from detops.testing import random_rois
+
+    x = torch.randn(1, 4, 20, 24)
+    rois = random_rois(8, 1, 20, 24, seed=0, spatial_scale=0.25)
+    grad = torch.randn(8, 4, 7, 7)
+    bench_variants.check_roi_choice("auto", detops_roi_align, torchvision_roi_align, x, rois, grad)
+    doubled = lambda a, r: _DoubleGrad.apply(detops_roi_align(a, r))  # noqa: E731
+    with pytest.raises(AssertionError):
+        bench_variants.check_roi_choice("auto", doubled, torchvision_roi_align, x, rois, grad)
+
+
+def detops_roi_align(a, r):
+    import detops
+
+    return detops.ops.roi_align(a, r, 7, 0.25, 2, True)
+
+
+def torchvision_roi_align(a, r):
+    import torchvision
+
+    return torchvision.ops.roi_align(a, r, 7, 0.25, 2, True)
+
+
+class _DoubleGrad(torch.autograd.Function):
+    """The identity, whose backward doubles the gradient."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
 
 
 def test_alternate_takes_turns_and_keeps_each_settings_times(monkeypatch):
