@@ -11,9 +11,9 @@
 # TORCH_CUDA_ARCH_LIST to target your GPUs).
 #
 # A run that finds detops._C built in place from the same csrc/ files, setup.py, build
-# environment (FORCE_CUDA, FORCE_CPU, TORCH_CUDA_ARCH_LIST, DETOPS_DEBUG, DETOPS_NO_OPENMP),
-# torch and Python, and installed from this checkout, does not build (setup.py's
-# extension_is_current()). Otherwise the build is incremental: ninja recompiles only what changed,
+# environment (CUDA kernels or not, as FORCE_CUDA / FORCE_CPU decide; TORCH_CUDA_ARCH_LIST;
+# DETOPS_DEBUG; DETOPS_NO_OPENMP; not MAX_JOBS), torch and Python, and installed from this
+# checkout, does not build (setup.py's extension_is_current()). Otherwise the build is incremental: ninja recompiles only what changed,
 # in build/temp.*. DETOPS_REBUILD=1 builds regardless (still incremental); deleting build/ starts
 # from nothing. The full build log is in build/install.log.
 set -euo pipefail
