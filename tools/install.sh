@@ -9,6 +9,13 @@
 # are compiled whenever torch has CUDA and nvcc is found. With no GPU visible and no
 # TORCH_CUDA_ARCH_LIST set, they are compiled for sm_90 only (a build check; set
 # TORCH_CUDA_ARCH_LIST to target your GPUs).
+#
+# A run that finds detops._C built in place from the same csrc/ files, setup.py, build
+# environment (CUDA kernels or not, as FORCE_CUDA / FORCE_CPU decide; TORCH_CUDA_ARCH_LIST;
+# DETOPS_DEBUG; DETOPS_NO_OPENMP; not MAX_JOBS), torch and Python, and installed from this
+# checkout, does not build (setup.py's extension_is_current()). Otherwise the build is incremental: ninja recompiles only what changed,
+# in build/temp.*. DETOPS_REBUILD=1 builds regardless (still incremental); deleting build/ starts
+# from nothing. The full build log is in build/install.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,6 +64,25 @@ if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ] && ! "$PYTHON" -c "import torch, sys; sys.
   export TORCH_CUDA_ARCH_LIST="9.0"
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-echo "detops: building (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-visible GPUs}, MAX_JOBS=$MAX_JOBS)"
-"$PYTHON" -m pip install --disable-pip-version-check --no-build-isolation -e . 2>&1 | tail -n 3
+if [ "${DETOPS_REBUILD:-0}" != "1" ] && "$PYTHON" - <<'PY'; then
+import logging, runpy, sys
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # no CUDA_HOME notice
+current, why = runpy.run_path("setup.py", run_name="detops_setup")["extension_is_current"]()
+if not current:
+    print(f"detops: build needed: {why}")
+    sys.exit(1)
+import detops
+print(f"detops: not building, {why}")
+print("detops", detops.__version__, "built with CUDA:", detops._C.with_cuda())
+PY
+  exit 0
+fi
+echo "detops: building (TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-visible GPUs}, MAX_JOBS=$MAX_JOBS; log: build/install.log)"
+mkdir -p build
+if ! "$PYTHON" -m pip install -v --disable-pip-version-check --no-build-isolation -e . >build/install.log 2>&1; then
+  tail -n 40 build/install.log
+  echo "detops: the build failed; full log: build/install.log" >&2
+  exit 1
+fi
+tail -n 2 build/install.log
 "$PYTHON" -c "import detops; print('detops', detops.__version__, 'built with CUDA:', detops._C.with_cuda())"
