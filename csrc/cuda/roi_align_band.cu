@@ -66,7 +66,7 @@
 #include <type_traits>
 
 #include "../common/roi_align_geometry.h"
-#include "../detops.h"
+#include "../common/kernel_choice.h"
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
 #include "roi_align_rois.cuh"

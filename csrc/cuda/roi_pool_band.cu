@@ -30,7 +30,7 @@
 #include <limits>
 
 #include "../common/roi_pool_geometry.h"
-#include "../detops.h"
+#include "../common/kernel_choice.h"
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
 #include "roi_checks.cuh"

@@ -55,7 +55,7 @@
 #include <cuda_fp16.h>
 
 #include "../common/roi_pool_geometry.h"
-#include "../detops.h"
+#include "../common/kernel_choice.h"
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
 #include "roi_checks.cuh"
