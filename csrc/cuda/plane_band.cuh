@@ -495,7 +495,7 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_unordered_kernel
 // rows[offsets[key] .. offsets[key + 1]), in increasing order of their index, so that the lists
 // are the same on every call. The kernels' order of work follows them, and so do the bits of
 // those whose sums depend on where in the list a bin lies (the conflict-free band forward's
-// rotated order of loads and adds). Bin row i = k * row_div + r is listed as i, or, with
+// swizzled order of loads and adds). Bin row i = k * row_div + r is listed as i, or, with
 // row_div > 0 (at most 64), as (k << kRowShift) | r, so that kernels need no division to find
 // the RoI.
 //

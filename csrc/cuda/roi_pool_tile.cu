@@ -55,10 +55,10 @@
 #include <cuda_fp16.h>
 
 #include "../common/roi_pool_geometry.h"
-#include "../common/kernel_choice.h"
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
 #include "roi_checks.cuh"
+#include "roi_pool_kernels.cuh"
 
 namespace detops {
 namespace ops {
@@ -748,8 +748,9 @@ __global__ void __launch_bounds__(kTransposeThreads, kArgmax ? 8 : 6) bins_to_ch
   }
 }
 
-int64_t word_bytes(const at::Tensor& input) {
-  return input.element_size() == 2 ? 4 : input.element_size();
+// Bytes of a staged word: a lane's channels of one pixel.
+int64_t word_bytes(int64_t elem_bytes) {
+  return elem_bytes == 2 ? 4 : elem_bytes;
 }
 
 TilePlan plan_for(int64_t height, int64_t width, int64_t word) {
@@ -757,37 +758,46 @@ TilePlan plan_for(int64_t height, int64_t width, int64_t word) {
   return plan_tiles(height, width, word, plane_band::band_budget(kTileBudget, list_bytes + 16));
 }
 
-// The tile plan when the tile kernel takes these shapes (on top of roi_kernel()), else one
-// with ok == false. Under kAuto it runs when the bins are dense on the map (see BENCHMARKS.md)
-// and there are channels enough to keep at least half of a warp's lanes busy; with fewer, the
-// rows kernel of roi_pool.cu, whose lanes split a channel's pixels instead, wastes less.
-TilePlan pool_tile_plan(const at::Tensor& input, int64_t num_rois, int64_t pooled_height, int64_t pooled_width) {
+// The tile plan for these shapes, or one with ok == false where the tile kernel cannot take
+// them.
+TilePlan tile_plan(const RoIPoolShape& s) {
   const TilePlan none;
-  const RoIKernel choice = roi_kernel();
-  if (choice == RoIKernel::kGather) return none;
-  const int64_t batch = input.size(0), channels = input.size(1);
-  const int64_t height = input.size(2), width = input.size(3);
-  if (num_rois <= 0 || channels <= 0 || height <= 0 || width <= 0) return none;
-  if (height * width >= (int64_t{1} << 31) || num_rois * pooled_height * pooled_width >= (int64_t{1} << 30)) return none;
-  const int64_t lanes = 32 * (input.element_size() == 2 ? 2 : 1);
-  if (cuda::ceil_div(channels, lanes) > 65535) return none;
-  const TilePlan plan = plan_for(height, width, word_bytes(input));
-  if (!plan.ok || batch * plan.tiles_y * plan.tiles_x >= (int64_t{1} << 30)) return none;
-  if (choice == RoIKernel::kBand) return plan;
-  const double bins = static_cast<double>(num_rois) * pooled_height * pooled_width;
-  const double pixels = static_cast<double>(batch) * height * width;
-  return 2 * channels >= lanes && 4.0 * bins >= pixels ? plan : none;
+  if (s.num_rois <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0) return none;
+  if (s.height * s.width >= (int64_t{1} << 31) || s.num_rois * s.pooled_height * s.pooled_width >= (int64_t{1} << 30)) {
+    return none;
+  }
+  const int64_t elem_bytes = static_cast<int64_t>(at::elementSize(s.dtype));
+  const int64_t lanes = 32 * (elem_bytes == 2 ? 2 : 1);
+  if (cuda::ceil_div(s.channels, lanes) > 65535) return none;
+  const TilePlan plan = plan_for(s.height, s.width, word_bytes(elem_bytes));
+  if (!plan.ok || s.batch * plan.tiles_y * plan.tiles_x >= (int64_t{1} << 30)) return none;
+  return plan;
 }
 
 }  // namespace
 
-bool roi_pool_forward_tile(
+bool roi_pool_tile_takes(const RoIPoolShape& s) {
+  return tile_plan(s).ok;
+}
+
+// The tile kernel beats the rows kernel of roi_pool.cu when the bins are dense on the map and
+// there are channels enough to keep at least half of a warp's lanes busy; with fewer, the rows
+// kernel, whose lanes split a channel's pixels instead, wastes less.
+bool roi_pool_tile_pays(const RoIPoolShape& s) {
+  const int64_t lanes = 32 * (at::elementSize(s.dtype) == 2 ? 2 : 1);
+  const double bins = static_cast<double>(s.num_rois) * s.pooled_height * s.pooled_width;
+  const double pixels = static_cast<double>(s.batch) * s.height * s.width;
+  return 2 * s.channels >= lanes && 4.0 * bins >= pixels;
+}
+
+void roi_pool_tile_forward(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, at::Tensor& output, at::Tensor& argmax) {
-  const TilePlan plan = pool_tile_plan(input, rois.size(0), pooled_height, pooled_width);
-  if (!plan.ok) return false;
   const int64_t batch = input.size(0), channels = input.size(1);
   const int64_t height = input.size(2), width = input.size(3);
+  const TilePlan plan = tile_plan(RoIPoolShape{
+      batch, channels, height, width, rois.size(0), pooled_height, pooled_width, input.scalar_type()});
+  TORCH_INTERNAL_ASSERT(plan.ok, "detops.roi_pool: no tile plan");
   const int64_t total = rois.size(0) * pooled_height * pooled_width;
   const int64_t num_keys = batch * plan.tiles_y * plan.tiles_x + 1;  // the last: empty bins
   // keys, rows, offsets, then counts, reach and cursor (zeroed)
@@ -821,7 +831,7 @@ bool roi_pool_forward_tile(
     } else {
       plane_band::group_by_owner<int32_t>(keys, total, num_keys, counts, offsets, rows, 0, /*in_order=*/false, stream);
     }
-    const int64_t list_offset = cuda::round_up(static_cast<int64_t>(plan.capacity) * kPixelWords * word_bytes(input), 16);
+    const int64_t list_offset = cuda::round_up(static_cast<int64_t>(plan.capacity) * kPixelWords * word_bytes(input.element_size()), 16);
     const int64_t smem = list_offset + kTileList * static_cast<int64_t>(sizeof(TileBin));
     const bool with_argmax = argmax.defined();  // else the values alone
     auto kernel = with_argmax ? roi_pool_tile_forward_kernel<scalar_t, true>
@@ -857,7 +867,6 @@ bool roi_pool_forward_tile(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
-  return true;
 }
 
 }  // namespace ops
