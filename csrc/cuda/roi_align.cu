@@ -411,11 +411,11 @@ bool tiled_takes(const RoIAlignShape& s) {
 }
 
 // Channels-last input, or NCHW input whose samples far outnumber its elements: the NCHW tiled
-// kernel costs about twice as much per sample as the nhwc one, and converting the map costs
-// about as much as 8 samples of the nhwc kernel per element, so converting pays from about 8
-// samples per input element. C and the tile's runs of channels are multiples of a 16-byte
-// vector; a channels_last input is read in place, so it must start on 16 bytes (a converted
-// copy is a new allocation, which does).
+// kernel costs about twice as much per sample as the nhwc one (in NCHW every pixel of a channel
+// is a separate sector), so converting the map pays once the samples save more than the
+// conversion costs, from about 8 samples per input element. C and the tile's runs of channels
+// are multiples of a 16-byte vector; a channels_last input is read in place, so it must start
+// on 16 bytes (a converted copy is a new allocation, which does).
 bool nhwc_takes(const at::Tensor& input, const RoIAlignShape& s) {
   const int64_t vec = 16 / static_cast<int64_t>(input.element_size());
   const int64_t bins = s.pooled_height * s.pooled_width;

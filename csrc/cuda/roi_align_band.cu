@@ -1,24 +1,26 @@
 // RoIAlign on CUDA through plane bands (plane_band.cuh), for dense RoIs on NCHW maps with a
-// fixed sampling grid (sampling_ratio 1..kMaxBandGrid).
+// fixed sampling grid (sampling_ratio 1..kMaxBandGrid). roi_align.cu's selection functions pick
+// these kernels through the predicates and launchers at the end of this file
+// (roi_align_kernels.cuh).
 //
 // The gather kernels of roi_align.cu read each sample's pixels from global memory: a 32-byte
 // sector per pixel pair, fetched again for every RoI that samples near it, so dense RoIs (an
 // FPN level of a detector) read each plane many times over. Here a block per (image, band of
-// rows, group of channels) stages the band of one channel plane at a time in shared memory and
+// rows, group of channels) stages the band of its channel planes in shared memory once and
 // computes, from it, every bin row its band owns, for all RoIs of the image:
 //   1. band_taps_kernel (launched early, so that it starts as the kernel before it ends: it waits
-//      for that kernel first) computes each RoI's sample rows and columns once (AxisTap: the two
-//      pixel rows / columns a sample reads and their weights, the rules of bilinear_sample) and
-//      the owner of each bin row (k, ph): the band holding its first pixel row, keyed
+//      for that kernel first) computes each RoI's sample rows and columns once (the two pixel
+//      rows / columns a sample reads and their weights, the rules of bilinear_sample) and the
+//      owner of each bin row (k, ph): the band holding its first pixel row, keyed
 //      image * bands + band. A bin row none of whose sample rows lies on the map (all of an
 //      out-of-map RoI's, or of a RoI with an invalid batch index) gets the discard key
 //      batch * bands instead: no band block reads it, the forward's blocks of that key write
-//      its bins as zeros and the backward gives it no gradient. So RoIs far outside the
-//      map (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
-//   2. the bin rows are listed by owner (plane_band::group_by_owner; for the conflict-free
-//      forward in bin-row order, so that its sums, whose order follows the list, give the same
-//      bits on every call: there, where the sizes allow, the taps kernel ranks each bin row
-//      among its block's of the same owner and group_ranked_kernel, launched early, places it).
+//      its bins as zeros and the backward gives it no gradient. So RoIs far outside the map
+//      (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
+//   2. the bin rows are listed by owner (plane_band::group_by_owner; for the swizzled forward
+//      in bin-row order, so that its sums, whose order follows the list, give the same bits on
+//      every call: there, where the sizes allow, the taps kernel ranks each bin row among its
+//      block's of the same owner and group_ranked_kernel, launched early, places it).
 //      Each block then, for each channel of its group (each two, four, eight or sixteen
 //      channels, in the forward), stages the band and computes its listed bins. On compute
 //      capability 9.0 and later the forward is launched to start while the grouping still runs
@@ -28,31 +30,33 @@
 // global memory. The forward is bound by load wavefronts (the taps from L1/L2, shared-memory
 // reads with bank conflicts), not by arithmetic: so taps are 8 bytes, loaded two at a time,
 // and the band holds channel planes interleaved, so that one list entry, one set of taps and
-// weights, and one shared load serve several channels (BENCHMARKS.md, "roi_align band
-// forward"). float32, float16 and bfloat16 maps take roi_align_band_forward_swizzled_kernel:
-// 32-byte staged pixels of eight float32 or sixteen 16-bit channels, read without bank
-// conflicts and computed in float32; while a block computes, it asks L2 for the band
-// of a block about a wave later (prefetch_later_band). Its blocks keep the start of their list
-// in the shared memory after the band, and where the grid holds two waves or more, the blocks
-// of the last group of channels share each key's list with a row of blocks added to the grid
-// (split_last_group), so that the blocks that start last end sooner; those two rows and the
-// one before them take their keys longest list first (the grouping ranks them:
-// plane_band::list_keys_heaviest_first). float64 maps (and maps
-// too wide for its bands) take roi_align_band_forward_kernel: two or four channels per pixel,
-// a bin the same sum, term for term, as in the tiled gather kernel.
-// Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
-// shared memory with shared-memory atomics, then writes the band out (gradients accumulated in
-// float32, of float32, float16 or bfloat16, in roi_align_band_backward_swizzled_kernel: eight
-// channels per staged pixel, every warp-wide add on 32 different banks; float64 ones one
-// channel at a time). In the forward's overlapping bands, rows that two bands stage (the first
-// `overlap` rows of every band but the first) are zeroed beforehand and added with global
-// atomics; every other row is written once with a plain store, so grad_input needs no zeroing.
-// Pixels past a block's window are left to band_tail_backward_kernel, which runs after and
-// adds them with global atomics. The swizzled backward also runs in bands without overlap
-// (sliced_plan; 16-bit gradients, and float32 ones whose overlapping bands would share at
-// least half their rows): each bin row is listed in every band its sample rows touch, each band
-// adds only its own rows and stores them all in the gradient's type, so there are no shared
-// rows, no tail and no float32 buffer.
+// weights, and one shared load serve several channels.
+//   swizzled (float32, float16 and bfloat16 maps, roi_align_band_forward_swizzled_kernel):
+//     32-byte staged pixels of eight float32 or sixteen 16-bit channels, placed so that the
+//     loads of a warp hit no bank twice, computed in float32; while a block computes, it asks
+//     L2 for the band of a block about a wave later (prefetch_later_band). Its blocks keep the
+//     start of their list in the shared memory after the band, and where the grid holds two
+//     waves or more, the blocks of the last group of channels share each key's list with a row
+//     of blocks added to the grid (split_last_group), so that the blocks that start last end
+//     sooner; those two rows and the one before them take their keys longest list first (the
+//     grouping ranks them: plane_band::list_keys_heaviest_first);
+//   band (float64 maps, and maps too wide for the swizzled bands, roi_align_band_forward_kernel):
+//     two or four interleaved channels per staged pixel, a bin the same sum, term for term, as
+//     in the tiled gather kernel.
+// Backward (the atomic one): the block scatters into a band of acc_t in shared memory with
+// shared-memory atomics, then writes the band out.
+//   sliced (roi_align_band_backward_swizzled_kernel with kSliced; 16-bit gradients, and float32
+//     ones whose overlapping bands would share at least half their rows): swizzled bands without
+//     overlap; each bin row is listed in every band its sample rows touch, each band adds only
+//     its own rows and stores them all in the gradient's type, so there are no shared rows, no
+//     tail and no float32 buffer;
+//   swizzled (other float32 accumulators): eight channels per staged pixel, every warp-wide add
+//     on 32 different banks, in the forward's overlapping bands;
+//   band (float64): one channel at a time, in overlapping bands.
+//   In overlapping bands, rows that two bands stage (the first `overlap` rows of every band but
+//   the first) are zeroed beforehand and added with global atomics; every other row is written
+//   once with a plain store, so the buffer needs no zeroing. Pixels past a block's window are
+//   left to band_tail_backward_kernel, which runs after and adds them with global atomics.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/Atomic.cuh>
@@ -133,8 +137,7 @@ constexpr int kNoCheck = -1;  // band_taps_kernel's check_op: no batch-index che
 // The ranked grouping (group_ranked_kernel): a chunk is one block of band_taps_kernel, its
 // kRankThreads items (a thread each). Where keys run to kRankKeys and chunks x keys to
 // kRankEntries, the setup lists bin rows in order in two parallel steps instead of
-// group_by_owner_kernel's one block walking all of them (BENCHMARKS.md, "Setup of the float32
-// band forward").
+// group_by_owner_kernel's one block walking all of them.
 constexpr int kRankThreads = 256;
 constexpr int kRankWarps = kRankThreads / 32;
 constexpr int kRankKeys = 512;
@@ -271,7 +274,7 @@ __global__ void band_taps_kernel(
 // a division. Where the lists fit in kGroupListBytes (in_shared: launched with total ints of
 // dynamic shared memory), the bin rows are placed in shared memory and the lists copied out in
 // order, so that the block's stores are whole lines rather than one scattered store per bin
-// row (BENCHMARKS.md, "roi_align band forward: the lists in fewer round trips").
+// row.
 constexpr int kGroupHeld = 16;
 constexpr int64_t kGroupListBytes = 64 * 1024;
 
@@ -660,14 +663,14 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_kernel(
 // four terms are added in that order, one multiply-add each (16-bit values unpacked to float32
 // first), so its rounding differs from the gather kernels'.
 constexpr int kSwizzledPixelBytes = 32;
-// The most shared memory the conflict-free forward gives its block's list, after the band.
+// The most shared memory the swizzled forward gives its block's list, after the band.
 constexpr int64_t kSwizzledListBytes = 8192;
 
 // Asks L2 for the band that block `ahead` blocks after this one in launch order stages (its
 // rows of each of its channels' planes, a bulk prefetch per plane by the first threads), so
 // that the staging of later blocks reads L2 instead of DRAM. Blocks start in about launch
 // order, one per SM, so with ahead about a wave of blocks the rows arrive while this block
-// computes (BENCHMARKS.md, "roi_align band forward: the next wave's bands into L2"). Rows are
+// computes. Rows are
 // rounded inwards to 16 bytes, as the bulk prefetch needs; a hint only, on sm_90 and later.
 // The row of blocks a split adds (split_last_group) lies past the last group of channels, so
 // nothing is asked for it: its blocks stage the bands the last group's blocks staged before.
@@ -684,9 +687,8 @@ __device__ __forceinline__ void prefetch_later_band(
   const int64_t group = later / gridDim.x;
   if (group >= gridDim.y || key >= discard) return;
   // the later block's key and list length, read by one lane and handed to the warp by a
-  // shuffle: read by every lane, the kernel's item loop compiled with a WARPSYNC.ALL before
-  // each item's swap shuffles and ran 2.1-2.5 µs (7x7) and 13.0-13.5 µs (14x14) slower (BENCHMARKS.md,
-  // "roi_align band forward: the keys ranked by the grouping, the prefetch's key read by one lane")
+  // shuffle: read by every lane, they make the compiler put a WARPSYNC.ALL before each item's
+  // swap shuffles in the kernel's item loop
   int32_t later_key = static_cast<int32_t>(key), n = 0;
   if (threadIdx.x % 32 == 0) {
     if (group >= heavy_from) {
@@ -715,11 +717,9 @@ __device__ __forceinline__ void prefetch_later_band(
 }
 
 // Threads of a block of roi_align_band_forward_swizzled_kernel (one block per SM): float32 768,
-// up to 80 registers a thread, 0.3-1.5 µs faster than 1024 at 64 (896 and 640 were slower:
-// BENCHMARKS.md, "roi_align band forward: no band inside the one before it, 768 threads");
-// 16-bit maps 512, whose lanes at sampling ratio 2 hold the sums of a bin's sixteen channels
-// and take 128 registers without spilling (at 768 or 1024 threads they spill and are slower:
-// BENCHMARKS.md, "roi_align 16-bit band forward: sixteen channels per staged pixel").
+// up to 80 registers a thread (the fastest of 640 to 1024); 16-bit maps 512, whose lanes at
+// sampling ratio 2 hold the sums of a bin's sixteen channels and take 128 registers without
+// spilling (at 768 or 1024 threads they spill).
 template <typename scalar_t>
 struct SwizzledForwardThreads : std::integral_constant<int, sizeof(scalar_t) == 4 ? 768 : 512> {};
 
@@ -814,9 +814,8 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_swizzled_kern
   const bool second_half = static_cast<int>(blockIdx.y) == groups;
   // The block's key: its column, or in the rows from heavy_from on (the last to start, none of
   // them in the first wave), the key with the blockIdx.x-th longest list, so that the longest
-  // of them start first: heavy_first[blockIdx.x], with its list, as the grouping ranked them
-  // (BENCHMARKS.md, "roi_align band forward: the last rows' keys heaviest first"). The discard
-  // key's column keeps its place.
+  // of them start first: heavy_first[blockIdx.x], with its list, as the grouping ranked them.
+  // The discard key's column keeps its place.
   int32_t key = static_cast<int32_t>(blockIdx.x);
   const bool heavy = static_cast<int>(blockIdx.y) >= heavy_from && key < discard;
   KeyList heavy_list{key, 0, 0};
@@ -960,13 +959,12 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_swizzled_kern
     // ratio 2 the pair splits the bin's sample rows instead of its channels: lane h takes sample
     // row h with all kPixel channels, each of its sample's four loads reading the 16-byte half h
     // of its pixel and then the other half (the address ^ 16), and the pair swaps the other
-    // half's sums at the end, one shuffle per channel. The rotation, addresses and weights of a
-    // sample then serve kPixel channels instead of kLane (14% fewer instructions at 7x7 in
-    // float32; 16-bit maps' lanes hold sixteen sums, in blocks of 512 threads). A load
-    // phase still reads eight different 16-byte bank groups: at load k, lanes h of its four bins
-    // read slot place + k of half h, then of half 1 - h. Other ratios: lane h takes the channels
-    // of half h and every sample (BENCHMARKS.md, "roi_align band forward: a bin's sample rows
-    // split over its lane pair").
+    // half's sums at the end, one shuffle per channel. The swizzle's starting slot, the
+    // addresses and the weights of a sample then serve kPixel channels instead of kLane, fewer
+    // instructions per sample (16-bit maps' lanes hold sixteen sums, in blocks of 512 threads). A
+    // load phase still reads eight different 16-byte bank groups: at load k, lanes h of its four
+    // bins read slot place + k of half h, then of half 1 - h. Other ratios: lane h takes the
+    // channels of half h and every sample.
     constexpr bool kSplit = G == 2;
     const int32_t taps_per_roi = (sh.pooled_height + pw_n) * G;
     // output element of RoI k, bin (ph, pw) of this lane's first channel: k * per_roi + lane_out
@@ -1144,9 +1142,8 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
 // phase on four different 32-byte slots. A lane's four channels of one pixel are four adds;
 // the s-th goes to channel (s + p) mod 4 of its half, p the lane's phase in the warp, so that
 // the four phases of a warp hit different banks as well: every warp-wide add touches 32
-// different banks and takes one round of the shared-memory add (against about 3.2 rounds in
-// roi_align_band_backward_kernel, BENCHMARKS.md, "roi_align backward without shared-memory
-// atomics").
+// different banks and takes one round of the shared-memory add (roi_align_band_backward_kernel's
+// adds of unrelated pixels conflict).
 // kSliced (bands without overlap, sliced_plan): the block's list holds every bin row whose
 // sample rows touch its rows, and it adds only the pixels of its own rows; it then stores every
 // row in the gradient's type (grad_input is of scalar_t). Else (the forward's overlapping
@@ -1374,8 +1371,7 @@ int64_t swizzled_rows(int64_t width, int64_t& stride) {
 // Bands of `core` + `overlap` rows of 32-byte pixels, rows `stride` pixels apart, for a plane
 // `height` rows tall: the fewest whose last window reaches row `height`. With overlap, a band
 // whose rows would all lie inside the window before it has no blocks: its bin rows belong to
-// that last band (band_taps_kernel), which holds them whole (BENCHMARKS.md, "roi_align band
-// forward: no band inside the one before it, 768 threads").
+// that last band (band_taps_kernel), which holds them whole.
 BandPlan swizzled_bands(int64_t height, int64_t stride, int64_t core, int64_t overlap) {
   BandPlan p;
   p.stride = static_cast<int>(stride);
@@ -1490,8 +1486,7 @@ BandSetup setup_bands(
   s.heavy_first = heavy_first ? reinterpret_cast<KeyList*>(counts + s.num_keys + 2 + rank_ints) : nullptr;
   s.tall = reinterpret_cast<uint8_t*>(keys + index_ints);
   // launched early: its launch does not wait for the kernel before it to end, so it starts as
-  // that kernel ends, 1-2 µs sooner back to back (BENCHMARKS.md, "roi_align band setup launched
-  // early")
+  // that kernel ends
   plane_band::launch_early(
       band_taps_kernel<acc_t, roi_t>, plane_band::early_launch_supported(), dim3(taps_blocks), kRankThreads, 0, stream,
       num_rois, rois.const_data_ptr<roi_t>(), batch, static_cast<int>(height),
@@ -1533,7 +1528,7 @@ int64_t blocks_per_sm(size_t smem, int threads) {
       props->maxThreadsPerMultiProcessor / threads));
 }
 
-// Whether the conflict-free band forward's blocks of the last group of channels each take part of
+// Whether the swizzled band forward's blocks of the last group of channels each take part of
 // their key's list (about 5/8), the rest going to a row of blocks added to the grid: where the grid
 // holds two waves of blocks or more, so that the blocks that start last end sooner, for the
 // price of staging their bands twice (and where the grid has a row to spare).
@@ -1651,8 +1646,7 @@ void roi_align_band_forward(
     // one more column of blocks: those of the discard key, which write its bins' zeros
     dim3 grid(s.grid.x + 1, s.grid.y);
     // Launched early (plane_band::launch_early): the blocks of the first wave, which start while
-    // the grouping runs, stage their first band meanwhile (BENCHMARKS.md, "roi_align band
-    // forward: the first wave staged during the grouping").
+    // the grouping runs, stage their first band meanwhile.
     const bool early = plane_band::early_launch_supported();
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
     auto launch = [&](auto kernel, int threads, size_t smem, auto... more) {
@@ -1670,18 +1664,14 @@ void roi_align_band_forward(
         if (swizzled) {
           // Each block asks L2 for the band of the block three quarters of a wave after it
           // where a block's staging takes about as long as its computation: up to about 16
-          // samples' pixels per map pixel (6.6 at 7x7 on the benchmark: kernel 136-142 ->
-          // 119-123 µs). With more samples the computation outlasts the staging and the
-          // prefetched rows wait in L2 long enough to be evicted (26 at 14x14: no faster, 50-80
-          // MB more read from DRAM). BENCHMARKS.md, "roi_align band forward: the next wave's
-          // bands into L2".
+          // samples' pixels per map pixel. With more samples the computation outlasts the
+          // staging and the prefetched rows would wait in L2 long enough to be evicted.
           const double reads = reads_per_pixel(
               batch, height, width, rois.size(0), pooled_height, pooled_width, sampling_ratio);
           const int ahead = reads <= 16.0 ? 3 * props->multiProcessorCount / 4 : 0;
           // The shared memory left after the band, as far as the SM still holds as many blocks,
           // holds the start of a block's list; the last group's blocks are split where the grid
-          // has two waves or more (BENCHMARKS.md, "roi_align band forward: lists in shared
-          // memory, the last blocks split").
+          // has two waves or more.
           constexpr int kThreads = SwizzledForwardThreads<scalar_t>::value;
           const int64_t per_sm = blocks_per_sm(s.smem, kThreads);
           const int64_t room = std::min<int64_t>(
@@ -1696,12 +1686,7 @@ void roi_align_band_forward(
           // Where the last group is split, its row, the split row and the row before them take
           // their keys heaviest first (the last blocks to start then are the lightest), as far
           // as the grouping ranked the keys (at most kMaxHeavyFirstKeys) and none of those rows
-          // is in the first wave, whose blocks stage their band before the lists exist. float32
-          // 14x14 3.6 µs faster, 7x7 no faster; from more rows on, slower. Split 5/8 and 3/8,
-          // bfloat16 7x7 1.8 µs faster (BENCHMARKS.md, "roi_align band forward: the last rows'
-          // keys heaviest first"); with the keys ranked once by the grouping rather than by each
-          // block, float32 7x7 about 1 µs faster ("roi_align band forward: the keys ranked by
-          // the grouping, the prefetch's key read by one lane").
+          // is in the first wave, whose blocks stage their band before the lists exist.
           int heavy_from = static_cast<int>(grid.y);
           if (split && s.heavy_first != nullptr) {
             const int64_t from = static_cast<int64_t>(grid.y) - 3;

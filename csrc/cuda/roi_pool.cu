@@ -1,19 +1,21 @@
-// RoIPool (max) forward and backward on CUDA.
+// RoIPool (max) forward and backward on CUDA: the selection functions that pick a kernel for
+// each call (select_forward, select_backward), and the gather, atomic and deterministic kernels.
 //
-// Forward: dense RoIs (many bins per pixel of the map) go through shared-memory tiles with a
-// lane per channel (roi_pool_tile.cu). Otherwise the work is ordered channel by channel (all
-// RoIs of channel 0, then channel 1, ...), so the RoIs in flight read one or two feature
-// planes that stay in L2; two kernels, both reading the input through its strides (no copy)
-// and both giving the CPU kernel's results:
+// Forward (select_forward): dense RoIs (many bins per pixel of the map) go through
+// shared-memory tiles with a lane per channel (tile, roi_pool_tile.cu). Otherwise the work is
+// ordered channel by channel (all RoIs of channel 0, then channel 1, ...), so the RoIs in
+// flight read one or two feature planes that stay in L2; two kernels, both reading the input
+// through its strides (no copy) and both giving the CPU kernel's results:
 //   * rows (channel-first layouts such as NCHW): a warp per (block of 8 channels, RoI, bin
-//     row ph), which computes the RoI and bin geometry once for its channels. Its lanes split into groups of g lanes (a power of two sized to the bin width), one group
-//     per bin of the row; the lanes of a group read adjacent columns of the bin, so each
-//     load of a row reads a contiguous run of g values. A lane keeps the maximum of each of
-//     its columns over the bin's rows (first row on ties), folds its columns together, and
-//     the group combines its lanes with shuffles. Candidates combine by (larger value, then
-//     smaller row-major index h * W + w), which picks exactly the bin's first maximum in
-//     row-major order, as the sequential scan of roi_pool_max does; NaN never becomes a
-//     maximum and a bin without a value above roi_pool_lowest keeps index -1.
+//     row ph), which computes the RoI and bin geometry once for its channels. Its lanes split
+//     into groups of g lanes (a power of two sized to the bin width), one group per bin of the
+//     row; the lanes of a group read adjacent columns of the bin, so each load of a row reads a
+//     contiguous run of g values. A lane keeps the maximum of each of its columns over the
+//     bin's rows (first row on ties), folds its columns together, and the group combines its
+//     lanes with shuffles. Candidates combine by (larger value, then smaller row-major index
+//     h * W + w), which picks exactly the bin's first maximum in row-major order, as the
+//     sequential scan of roi_pool_max does; NaN never becomes a maximum and a bin without a
+//     value above roi_pool_lowest keeps index -1.
 //   * channels (channels_last): a warp per (group of 32 channels, RoI, bin row ph), a lane
 //     per channel; a load of one pixel reads 32 adjacent channels, and each lane runs the
 //     shared sequential scan (roi_pool_max) over each bin of the row.
@@ -22,17 +24,20 @@
 // argmax: the tile kernel then scans each bin once, tracking no row, and reads it again only
 // when its maximum is zero (roi_pool_tile.cu); nothing stores or transposes indices.
 //
-// Backward, two variants:
-//   * atomic (default): one thread per grad_output element adds it to the argmax pixel of
-//     grad_input with atomicAdd (into a float32 accumulator for float16 / bfloat16); empty
-//     bins (argmax -1) are skipped before anything else is read. The order of the additions,
-//     hence the rounding, varies.
+// Backward (select_backward):
 //   * deterministic (torch.use_deterministic_algorithms(True)): every grad_output element gets
 //     the key (b * C + c) * H * W + argmax of the pixel it feeds (a sentinel past the end for
 //     empty bins); a stable radix sort of the gradient values by key (over the key's bits
 //     only) groups the contributions of each pixel in RoI order, and one thread per group (its
 //     first element) sums the group's consecutive values and writes the pixel once.
 //     Bit-identical from run to run, with the same summation order as the CPU kernel.
+//   * band (dense RoIs on the map, roi_pool_band.cu): each block adds the gradients of its
+//     band of rows in shared memory and stores the band once.
+//   * atomic: one thread per grad_output element adds it to the argmax pixel of grad_input
+//     with atomicAdd (into a float32 accumulator for float16 / bfloat16); empty bins (argmax
+//     -1) are skipped before anything else is read.
+//   The band and atomic backwards add with atomics: the order of the additions, hence the
+//   rounding, varies from run to run.
 //
 // Index arithmetic is 32-bit when every flat index of the launch fits, 64-bit otherwise.
 // Batch indices are checked on the device (roi_checks.cuh) instead of with a host sync;
@@ -497,7 +502,7 @@ at::Tensor roi_pool_backward_cuda(
           const PooledIndex<int64_t> index{
               channels, pooled_height, pooled_width, grad.stride(0), grad.stride(1),
               grad.stride(2), grad.stride(3)};
-          // int32 keys sort faster; the sentinel (numel) must fit too.
+          // int32 keys where the sentinel (numel) fits: fewer bits to sort.
           if (grad_input.numel() < std::numeric_limits<int32_t>::max()) {
             backward_deterministic<scalar_t, int32_t>(
                 total, grad, index, argmax, rois, batch_size, plane_size, grad_input, stream);

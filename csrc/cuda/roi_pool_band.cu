@@ -48,8 +48,7 @@ constexpr int kPoolBandThreads = 512;
 constexpr int64_t kPoolBandBudget = 64 * 1024;  // bytes of a band
 // List entries a block holds in shared memory beside its band (a longer list is read from
 // global memory): 8192, two blocks an SM; for 16-bit gradients 2048, three blocks an SM, which
-// measured 11-15% faster for them and 4-15% slower for float32 ones (BENCHMARKS.md, "roi_pool
-// band backward in bands without overlap").
+// pays for them (their band stores are half the bytes) but not for float32 ones.
 template <typename scalar_t>
 constexpr int kRowCapacity = sizeof(scalar_t) == 2 ? 2048 : 8192;
 template <typename scalar_t>

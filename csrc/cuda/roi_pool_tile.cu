@@ -28,13 +28,11 @@
 //      bins (0, argmax -1);
 //   4. bins_to_channels_kernel moves the outputs into place. A warp's results are one bin's 32
 //      channels, which lie bins elements apart in [K, C, PH, PW]: written there, each warp
-//      store touches 32 sectors for 128 bytes, and at 14 x 14 those partial sectors kept L2
-//      70-75% busy and the forward slower than torchvision's. So the forward writes
-//      [K, bins, C] buffers (a whole 128-byte line per warp store) and this kernel transposes
-//      them, a RoI's slab of bins x 64 (or fewer) channels at a time through shared memory,
-//      both sides coalesced. It costs a read and a write of the outputs, and memory for a
-//      second copy during the call (BENCHMARKS.md, "roi_pool tile forward: a bin's maximum in
-//      two passes, outputs through a transpose"). Bins too many for its blocks (past about 400
+//      store touches 32 sectors for 128 bytes, and those partial sectors keep L2 busy. So the
+//      forward writes [K, bins, C] buffers (a whole 128-byte line per warp store) and this
+//      kernel transposes them, a RoI's slab of bins x 64 (or fewer) channels at a time through
+//      shared memory, both sides coalesced. It costs a read and a write of the outputs, and
+//      memory for a second copy during the call. Bins too many for its blocks (past about 400
 //      in float32) are written in place.
 // The input is read through its strides: contiguous NCHW is staged a pixel at a time along
 // rows, channels_last a pixel's channels at a time, both as whole 32-byte sectors.
@@ -316,9 +314,9 @@ __device__ __forceinline__ void with_row_shape(int cols, F&& f) {
 }
 
 // Rows of up to 8 pixels a scan takes a step: two, so that the loop's own instructions, about
-// as many as a short row's loads, count once for both. Longer rows go one at a time (two made
-// the 16-bit kernel with argmax 10% slower at 7x7, BENCHMARKS.md), and so do double ones (two
-// spill registers at the kernel's limit of 64).
+// as many as a short row's loads, count once for both. Longer rows go one at a time (two cost
+// the 16-bit kernel with argmax more than they save), and so do double ones (two spill
+// registers at the kernel's limit of 64).
 template <bool kChunked, typename scalar_t>
 constexpr int rows_per_step() {
   return kChunked || sizeof(scalar_t) == 8 ? 1 : 2;
@@ -474,9 +472,8 @@ __device__ __forceinline__ void stage_window(
   };
   if (sh.channels_inner) {
     // A warp takes pixels warp, warp + kTileWarps, ...: each one's row and column follow from
-    // the last one's. A division per pixel was most of this loop's instructions, issued while
-    // the block has nothing else to do (BENCHMARKS.md, "roi_pool tile forward: bins worked out
-    // once, rows without loop overhead").
+    // the last one's, without the division per pixel that would be most of this loop's
+    // instructions, issued while the block has nothing else to do.
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int r = warp / ww;
     int x = warp - r * ww;
@@ -711,9 +708,8 @@ __device__ __forceinline__ void slab_to_shared(
 // is contiguous in the output. CC + 1 words per staged row: both phases are conflict-free.
 // Without kArgmax the values alone, read with slab_to_shared's 16-byte loads where vec_v holds
 // (at most 40 registers, six blocks an SM). With kArgmax a value and its index are read together,
-// element by element, eight blocks an SM: those two loads per thread in flight kept DRAM about
-// as busy (3.0 TB/s at 14 x 14), and 16-byte loads made the 16-bit kernel slower
-// (BENCHMARKS.md, "roi_pool forward without argmax when no gradient is needed").
+// element by element, eight blocks an SM: those two loads per thread in flight already keep
+// DRAM busy, and 16-byte loads would slow the 16-bit kernel.
 template <typename scalar_t, bool kArgmax>
 __global__ void __launch_bounds__(kTransposeThreads, kArgmax ? 8 : 6) bins_to_channels_kernel(
     const scalar_t* __restrict__ in_v, const int32_t* __restrict__ in_a, int64_t num_rois, int bins,
@@ -823,8 +819,8 @@ void roi_pool_tile_forward(
         total, rois.const_data_ptr<scalar_t>(), scale, shape, plan, keys, counts, reach);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (num_keys < kScatterKeys) {
-      // many blocks: one block grouping every bin took 45 µs for the 50 k bins of the benchmark
-      // (BENCHMARKS.md, "Setup kernels of the RoI ops")
+      // many blocks: one block grouping every bin is a long serial step for tens of thousands
+      // of bins
       roi_pool_tile_scatter_kernel<<<cuda::grid_for(total, plane_band::kGroupThreads), plane_band::kGroupThreads, 0,
                                      stream>>>(keys, total, static_cast<int32_t>(num_keys), counts, cursor, offsets, rows);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
