@@ -7,7 +7,9 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/checks.h"
@@ -198,6 +200,23 @@ CpuVector set_cpu_vector(CpuVector choice) {
   return static_cast<CpuVector>(cpu_vector_choice.exchange(static_cast<int>(choice)));
 }
 
+namespace {
+std::mutex pass_limits_mutex;
+DeterministicPassLimits pass_limits;
+}  // namespace
+
+DeterministicPassLimits deterministic_pass_limits() {
+  std::lock_guard<std::mutex> lock(pass_limits_mutex);
+  return pass_limits;
+}
+
+DeterministicPassLimits set_deterministic_pass_limits(DeterministicPassLimits limits) {
+  std::lock_guard<std::mutex> lock(pass_limits_mutex);
+  const DeterministicPassLimits previous = pass_limits;
+  pass_limits = limits;
+  return previous;
+}
+
 }  // namespace ops
 }  // namespace detops
 
@@ -275,6 +294,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       &detops::ops::set_cpu_vector,
       "choose the instructions of the CPU roi_pool forward ('auto', 'sse2', 'scalar', 'avx2', "
       "'avx512'); returns the previous choice");
+  m.def(
+      "_set_deterministic_pass_limits",
+      [](int64_t max_entries, int64_t max_channels, bool wide_keys) {
+        DETOPS_CHECK(
+            max_entries >= 0 && max_channels >= 0, "detops._C._set_deterministic_pass_limits: max_entries and "
+            "max_channels must be >= 0, got ", max_entries, " and ", max_channels);
+        const detops::ops::DeterministicPassLimits previous =
+            detops::ops::set_deterministic_pass_limits({max_entries, max_channels, wide_keys});
+        return std::make_tuple(previous.max_entries, previous.max_channels, previous.wide_keys);
+      },
+      "lower the limits of one pass of the deterministic CUDA roi_align backward, so that small inputs "
+      "take its passes over chunks of RoIs (max_entries contributions a pass) and slices of channels "
+      "(max_channels a pass), and int64 keys (wide_keys); 0 / False: the kernels' own limits. Returns "
+      "the previous limits",
+      py::arg("max_entries") = 0, py::arg("max_channels") = 0, py::arg("wide_keys") = false);
   m.def(
       "_set_cpu_output_cache",
       [](int64_t bytes) {

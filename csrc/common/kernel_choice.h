@@ -4,6 +4,8 @@
 // The settings live in csrc/vision.cpp.
 #pragma once
 
+#include <cstdint>
+
 namespace detops {
 namespace ops {
 
@@ -26,6 +28,18 @@ RoIKernel set_roi_kernel(RoIKernel choice);  // returns the previous choice
 enum class CpuVector : int { kAuto = 0, kSse2 = 1, kScalar = 2, kAvx2 = 3, kAvx512 = 4 };
 CpuVector cpu_vector();
 CpuVector set_cpu_vector(CpuVector choice);  // returns the previous choice
+
+// Limits of one pass of the deterministic roi_align backward on CUDA
+// (csrc/cuda/roi_align_deterministic.cu), lowered by tests so that small inputs take the passes
+// over chunks of RoIs and slices of channels, and the int64 keys, that otherwise only inputs of
+// many GiB take. 0 / false (the default): the kernels' own limits.
+struct DeterministicPassLimits {
+  int64_t max_entries = 0;   // contributions one pass lists (at most the kernels' 2^31 - 1)
+  int64_t max_channels = 0;  // channels one pass takes (at most the kernels' 65535 * 32)
+  bool wide_keys = false;    // int64 keys even where int32 ones hold every (image, pixel)
+};
+DeterministicPassLimits deterministic_pass_limits();
+DeterministicPassLimits set_deterministic_pass_limits(DeterministicPassLimits limits);  // returns the previous
 
 }  // namespace ops
 }  // namespace detops

@@ -32,9 +32,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "../common/checks.h"
+#include "../common/kernel_choice.h"
 #include "../common/roi_align_geometry.h"
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
@@ -437,21 +439,28 @@ void roi_align_backward_deterministic(
       "blocks of 128 pixels (batch_size * ceil(height * width / 128)), got batch_size ", batch, " and ", plane,
       " pixels per image");
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // The limits of a pass, lower where a test asks (common/kernel_choice.h).
+  const DeterministicPassLimits test_limits = deterministic_pass_limits();
+  const int64_t max_entries =
+      test_limits.max_entries > 0 ? std::min(test_limits.max_entries, kMaxEntries) : kMaxEntries;
+  const int64_t max_slice = test_limits.max_channels > 0 ? std::min(test_limits.max_channels, kMaxChannelTiles * kTile)
+                                                         : kMaxChannelTiles * kTile;
 
   // The chunks of RoIs: as many RoIs a chunk as their lists and slots allow.
   std::vector<RoIChunk> chunks;
   at::Tensor first;  // adaptive grid: where each RoI's contributions start in the list of all
   // One RoI's list must fit a pass: 2^31 entries take 24 GiB (int32 keys, 8-byte entries), as
   // much again sorted, and the radix sort's own buffers on top.
-  const char* const too_many =
-      ": the deterministic backward takes at most 2^31 - 1 contributions (4 per sample) per RoI, got ";
+  const std::string too_many = std::string(": the deterministic backward takes at most ") +
+      (max_entries == kMaxEntries ? std::string("2^31") : std::to_string(max_entries)) +
+      " - 1 contributions (4 per sample) per RoI, got ";
   if (sampling_ratio > 0) {
     const double per_roi_d = static_cast<double>(bins) * static_cast<double>(sampling_ratio * sampling_ratio) * 4.0;
     DETOPS_CHECK(
-        per_roi_d < static_cast<double>(kMaxEntries), kOp, too_many, "pooled_height * pooled_width * "
+        per_roi_d < static_cast<double>(max_entries), kOp, too_many, "pooled_height * pooled_width * "
         "sampling_ratio^2 * 4 = ", per_roi_d);
     const int64_t per_roi = bins * sampling_ratio * sampling_ratio * 4;
-    const int64_t per_chunk = std::min(kMaxSlots / bins, (kMaxEntries - 1) / per_roi);
+    const int64_t per_chunk = std::min(kMaxSlots / bins, (max_entries - 1) / per_roi);
     for (int64_t k0 = 0; k0 < num_rois; k0 += per_chunk) {
       const int64_t k1 = std::min(num_rois, k0 + per_chunk);
       chunks.push_back(RoIChunk{k0, k1, (k1 - k0) * per_roi, 0});
@@ -472,7 +481,7 @@ void roi_align_backward_deterministic(
     const at::Tensor ends = counts.cumsum(0);
     first = ends - counts;
     const int64_t total = ends[-1].item<int64_t>();  // the one host sync: it sizes the list
-    if (total < kMaxEntries && num_rois <= kMaxSlots / bins) {
+    if (total < max_entries && num_rois <= kMaxSlots / bins) {
       chunks.push_back(RoIChunk{0, num_rois, total, 0});
     } else {
       // a second sync, for inputs that need several passes: the chunks from each RoI's count
@@ -481,8 +490,9 @@ void roi_align_backward_deterministic(
       int64_t k0 = 0, start = 0;  // the chunk's first RoI and first entry
       for (int64_t k = 0; k < num_rois; ++k) {
         const int64_t begin = k > 0 ? e[k - 1] : 0;
-        DETOPS_CHECK(e[k] - begin < kMaxEntries, kOp, too_many, "RoI ", k, " with its adaptive sampling grid");
-        if (e[k] - start >= kMaxEntries || k + 1 - k0 > kMaxSlots / bins) {
+        DETOPS_CHECK(
+            e[k] - begin < max_entries, kOp, too_many, e[k] - begin, " for RoI ", k, " (its adaptive sampling grid)");
+        if (e[k] - start >= max_entries || k + 1 - k0 > kMaxSlots / bins) {
           chunks.push_back(RoIChunk{k0, k, begin - start, start});
           k0 = k;
           start = begin;
@@ -493,7 +503,6 @@ void roi_align_backward_deterministic(
   }
 
   // Slices of the channels where the grids cannot hold them all at once.
-  const int64_t max_slice = kMaxChannelTiles * kTile;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), kOp, [&] {
     auto run = [&](auto key) {
       using key_t = decltype(key);
@@ -514,7 +523,7 @@ void roi_align_backward_deterministic(
       }
     };
     // int32 keys where every (image, pixel) and the sentinel past them fit
-    if (batch * plane < std::numeric_limits<int32_t>::max()) {
+    if (batch * plane < std::numeric_limits<int32_t>::max() && !test_limits.wide_keys) {
       run(int32_t{});
     } else {
       run(int64_t{});
