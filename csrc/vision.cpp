@@ -178,7 +178,7 @@ bool with_cuda() {
 #endif
 }
 
-// The kernel choices of common/kernel_choice.h (internal, for tests and benchmarks).
+// The settings of common/kernel_choice.h (internal, for tests and benchmarks).
 namespace {
 std::atomic<int> roi_kernel_choice{static_cast<int>(RoIKernel::kAuto)};
 std::atomic<int> cpu_vector_choice{static_cast<int>(CpuVector::kAuto)};

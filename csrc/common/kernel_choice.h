@@ -1,7 +1,8 @@
-// Process-wide kernel choices for tests and benchmarks that compare detops' kernels on the same
-// inputs. Internal: not part of the installed API (csrc/detops.h); Python reaches them through
-// detops._C._set_roi_kernel and detops._C._set_cpu_vector (detops/ops/_utils.py wraps both).
-// The settings live in csrc/vision.cpp.
+// Process-wide kernel settings for tests and benchmarks that compare detops' kernels on the same
+// inputs, or reach paths that only huge inputs take otherwise. Internal: not part of the
+// installed API (csrc/detops.h); Python reaches them through detops._C._set_roi_kernel,
+// detops._C._set_cpu_vector (detops/ops/_utils.py wraps both) and
+// detops._C._set_deterministic_pass_limits. The settings live in csrc/vision.cpp.
 #pragma once
 
 #include <cstdint>
