@@ -63,24 +63,5 @@ at::Tensor roi_pool_backward(
 // Whether this build of detops holds CUDA kernels.
 bool with_cuda();
 
-// Which CUDA kernels roi_align and roi_pool use for NCHW input. kAuto (the default) stages bands
-// of each feature plane in shared memory when the RoIs are dense enough that a plane would be
-// read several times over, and gathers from global memory otherwise; kBand stages whenever the
-// shapes allow it; kGather never stages. A process-wide setting for benchmarks and tests that
-// compare the kernels; the kernels agree to rounding (roi_pool exactly).
-enum class RoIKernel : int { kAuto = 0, kBand = 1, kGather = 2 };
-RoIKernel roi_kernel();
-RoIKernel set_roi_kernel(RoIKernel choice);  // returns the previous choice
-
-// Which instructions the CPU roi_pool forward uses for float32 input. kAuto (the default): the
-// best this CPU and build have: AVX2 (with AVX-512VL's masks on Intel CPUs that have them),
-// else SSE2 (x86-64), else scalar code; kAvx512: AVX2 with AVX-512VL's masks on any CPU that
-// has them; kAvx2: AVX2 without AVX-512; kSse2: SSE2 even where AVX2 is there; kScalar: scalar
-// code only. A choice the CPU lacks falls back to the next narrower one. A process-wide setting
-// for benchmarks and tests that compare the paths; all paths give the same bits.
-enum class CpuVector : int { kAuto = 0, kSse2 = 1, kScalar = 2, kAvx2 = 3, kAvx512 = 4 };
-CpuVector cpu_vector();
-CpuVector set_cpu_vector(CpuVector choice);  // returns the previous choice
-
 }  // namespace ops
 }  // namespace detops

@@ -5,11 +5,15 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/checks.h"
+#include "common/kernel_choice.h"
 #include "cpu/output_cache.h"
 #include "detops.h"
 
@@ -25,32 +29,37 @@
 #define DETOPS_TORCH_VERSION \
   DETOPS_STR(TORCH_VERSION_MAJOR) "." DETOPS_STR(TORCH_VERSION_MINOR) "." DETOPS_STR(TORCH_VERSION_PATCH)
 
+namespace {
+
+// The schema of every detops op: TORCH_LIBRARY defines them from this table, and a build without
+// CUDA kernels registers its CUDA error for each of them from it, so no other list of the ops is
+// kept by hand. Kernels register themselves under these names (cpu/<op>.cpp, cuda/<op>.cu).
+constexpr const char* kSchemas[] = {
+    "nms(Tensor boxes, Tensor scores, float iou_threshold) -> Tensor",
+    "batched_nms(Tensor boxes, Tensor scores, Tensor idxs, float iou_threshold) -> Tensor",
+    "nms_padded(Tensor boxes, Tensor scores, float iou_threshold, float score_threshold, "
+    "int max_output) -> (Tensor, Tensor)",
+    "roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width, int sampling_ratio, bool aligned) -> Tensor",
+    "_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width, "
+    "int sampling_ratio, bool aligned) -> Tensor",
+    "roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width) -> (Tensor, Tensor)",
+    "_roi_pool_values(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width) -> Tensor",
+    "_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, "
+    "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, "
+    "SymInt height, SymInt width) -> Tensor",
+    // input's values in a new channels_last tensor: the RoI ops' autograd returns the gradient of
+    // a channels_last CPU input through it (their backwards write NCHW planes)
+    "_to_channels_last(Tensor input) -> Tensor",
+};
+
+}  // namespace
+
 TORCH_LIBRARY(detops, m) {
-  m.def("nms(Tensor boxes, Tensor scores, float iou_threshold) -> Tensor");
-  m.def("batched_nms(Tensor boxes, Tensor scores, Tensor idxs, float iou_threshold) -> Tensor");
-  m.def(
-      "nms_padded(Tensor boxes, Tensor scores, float iou_threshold, float score_threshold, "
-      "int max_output) -> (Tensor, Tensor)");
-  m.def(
-      "roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
-      "SymInt pooled_width, int sampling_ratio, bool aligned) -> Tensor");
-  m.def(
-      "_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, "
-      "SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width, "
-      "int sampling_ratio, bool aligned) -> Tensor");
-  m.def(
-      "roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
-      "SymInt pooled_width) -> (Tensor, Tensor)");
-  m.def(
-      "_roi_pool_values(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
-      "SymInt pooled_width) -> Tensor");
-  m.def(
-      "_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, "
-      "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, "
-      "SymInt height, SymInt width) -> Tensor");
-  // input's values in a new channels_last tensor: the RoI ops' autograd returns the gradient of
-  // a channels_last CPU input through it (their backwards write NCHW planes)
-  m.def("_to_channels_last(Tensor input) -> Tensor");
+  for (const char* schema : kSchemas) m.def(schema);
 }
 
 #ifndef WITH_CUDA
@@ -70,9 +79,9 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/)
 }  // namespace
 
 TORCH_LIBRARY_IMPL(detops, CUDA, m) {
-  for (const char* name : {"nms", "batched_nms", "nms_padded", "roi_align", "_roi_align_backward", "roi_pool",
-                           "_roi_pool_values", "_roi_pool_backward", "_to_channels_last"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  for (const char* schema : kSchemas) {
+    const std::string name(schema, std::strchr(schema, '('));  // the op's name: the schema up to '('
+    m.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   }
 }
 #endif
@@ -169,6 +178,7 @@ bool with_cuda() {
 #endif
 }
 
+// The settings of common/kernel_choice.h (internal, for tests and benchmarks).
 namespace {
 std::atomic<int> roi_kernel_choice{static_cast<int>(RoIKernel::kAuto)};
 std::atomic<int> cpu_vector_choice{static_cast<int>(CpuVector::kAuto)};
@@ -188,6 +198,23 @@ CpuVector cpu_vector() {
 
 CpuVector set_cpu_vector(CpuVector choice) {
   return static_cast<CpuVector>(cpu_vector_choice.exchange(static_cast<int>(choice)));
+}
+
+namespace {
+std::mutex pass_limits_mutex;
+DeterministicPassLimits pass_limits;
+}  // namespace
+
+DeterministicPassLimits deterministic_pass_limits() {
+  std::lock_guard<std::mutex> lock(pass_limits_mutex);
+  return pass_limits;
+}
+
+DeterministicPassLimits set_deterministic_pass_limits(DeterministicPassLimits limits) {
+  std::lock_guard<std::mutex> lock(pass_limits_mutex);
+  const DeterministicPassLimits previous = pass_limits;
+  pass_limits = limits;
+  return previous;
 }
 
 }  // namespace ops
@@ -267,6 +294,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       &detops::ops::set_cpu_vector,
       "choose the instructions of the CPU roi_pool forward ('auto', 'sse2', 'scalar', 'avx2', "
       "'avx512'); returns the previous choice");
+  m.def(
+      "_set_deterministic_pass_limits",
+      [](int64_t max_entries, int64_t max_channels, bool wide_keys) {
+        DETOPS_CHECK(
+            max_entries >= 0 && max_channels >= 0, "detops._C._set_deterministic_pass_limits: max_entries and "
+            "max_channels must be >= 0, got ", max_entries, " and ", max_channels);
+        const detops::ops::DeterministicPassLimits previous =
+            detops::ops::set_deterministic_pass_limits({max_entries, max_channels, wide_keys});
+        return std::make_tuple(previous.max_entries, previous.max_channels, previous.wide_keys);
+      },
+      "lower the limits of one pass of the deterministic CUDA roi_align backward, so that small inputs "
+      "take its passes over chunks of RoIs (max_entries contributions a pass) and slices of channels "
+      "(max_channels a pass), and int64 keys (wide_keys); 0 / False: the kernels' own limits. Returns "
+      "the previous limits",
+      py::arg("max_entries") = 0, py::arg("max_channels") = 0, py::arg("wide_keys") = false);
   m.def(
       "_set_cpu_output_cache",
       [](int64_t bytes) {

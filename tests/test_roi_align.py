@@ -823,6 +823,96 @@ def test_cuda_deterministic_backward_images_without_rois_and_invalid_indices():
     torch.testing.assert_close(x.grad.cpu(), xc.grad, atol=1e-5, rtol=1e-5)
 
 
+@contextlib.contextmanager
+def deterministic_pass_limits(max_entries=0, max_channels=0, wide_keys=False):
+    """Lowers the limits of one pass of the deterministic CUDA backward (0 / False: its own)."""
+    previous = detops._C._set_deterministic_pass_limits(max_entries, max_channels, wide_keys)
+    try:
+        yield
+    finally:
+        detops._C._set_deterministic_pass_limits(*previous)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("case", ["37_channels", "7x7_adaptive_unaligned"])
+def test_cuda_deterministic_backward_in_passes(dtype, case):
+    # Inputs past one pass's limits (2^31 contributions, 65535 * 32 channels, int32 keys) run in
+    # passes: over slices of the channels and with int64 keys, giving the bits of one pass, and
+    # over chunks of RoIs, whose sums (in the accumulation type) are added in chunk order:
+    # bit-identical from run to run and close to one pass. The limits are lowered here so that
+    # small inputs take those passes.
+    kind, batch, channels, height, width, k, pooled, sr, aligned = DET_CASES[case]
+    scale = 0.25
+    rois = _det_case_rois(kind, batch, k, height, width, scale, dtype, seed=3)
+    grad = torch.randn(k, channels, pooled, pooled, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grad = grad.to(dtype=dtype, device="cuda")
+    args = (rois, scale, pooled, pooled, batch, channels, height, width, sr, aligned)
+
+    def backward(**limits):
+        with deterministic_pass_limits(**limits):
+            return torch.ops.detops._roi_align_backward(grad, *args)
+
+    with deterministic_algorithms(True):
+        one = backward()
+        assert torch.equal(backward(max_channels=32), one)  # two slices, the second of 5 channels
+        assert torch.equal(backward(max_channels=1), one)
+        assert torch.equal(backward(wide_keys=True), one)
+        chunked = backward(max_entries=20000)  # several chunks of RoIs
+        assert torch.equal(backward(max_entries=20000), chunked)
+        assert torch.equal(backward(max_entries=20000, max_channels=32, wide_keys=True), chunked)
+        assert chunked.dtype == dtype and chunked.is_contiguous()
+        with pytest.raises(RuntimeError, match="at most 500 - 1 contributions .4 per sample. per RoI"):
+            backward(max_entries=500)
+    ref = torch.ops.detops._roi_align_backward(grad.cpu().double(), rois.cpu().double(), *args[1:])
+    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3}[dtype]
+    scale_ref = max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(chunked.cpu().double(), ref, atol=tol * scale_ref, rtol=0)
+    torch.testing.assert_close(chunked.double(), one.double(), atol=tol * scale_ref, rtol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_deterministic_backward_refuses_beyond_its_limits():
+    # one RoI of 2^31 bins, or of 2^31 contributions: refused with the limit named, before
+    # anything is allocated for them (the gradients are expanded views)
+    rois = torch.tensor([[0, 1.0, 1.0, 3.0, 3.0]], device="cuda")
+    with deterministic_algorithms(True):
+        grad = torch.ones(1, 1, 1, 1, device="cuda").expand(1, 1, 46341, 46341)
+        with pytest.raises(RuntimeError, match=r"at most 2\^31 - 1 bins per RoI \(pooled_height \* pooled_width\)"):
+            torch.ops.detops._roi_align_backward(grad, rois, 1.0, 46341, 46341, 1, 1, 4, 4, 2, True)
+        grad = torch.ones(1, 1, 1, 1, device="cuda")
+        with pytest.raises(RuntimeError, match=r"at most 2\^31 - 1 contributions \(4 per sample\) per RoI"):
+            torch.ops.detops._roi_align_backward(grad, rois, 1.0, 1, 1, 1, 1, 4, 4, 23171, True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_cuda_generic_kernels_for_many_bins(dtype):
+    # More bins per RoI than a tiled block holds (50 x 50 > 2048): a thread per output element
+    # in the forward, per gradient element in the atomic backward.
+    from torch.profiler import ProfilerActivity, profile
+
+    from detops.ops._utils import roi_kernel
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 5, 30, 40, generator=g, dtype=torch.float64)
+    rois = dense_rois(2, 6, 30, 40, 4, 30, 0.5, seed=4).double()
+    grad = torch.randn(6, 5, 50, 50, generator=g, dtype=torch.float64)
+    xc = x.clone().requires_grad_()
+    want = roi_align(xc, rois, 50, 0.5, 2, True)
+    want.backward(grad)
+    xg = x.to("cuda", dtype).requires_grad_()
+    with roi_kernel("gather"), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = roi_align(xg, rois.to("cuda", dtype), 50, 0.5, 2, True)
+        out.backward(grad.to("cuda", dtype))
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events())
+    assert "roi_align_forward_kernel" in names and "roi_align_backward_atomic_kernel" in names, names
+    tol = 1e-10 if dtype == torch.float64 else 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(out.cpu().double(), want.detach(), atol=tol * max(1.0, want.abs().max().item()), rtol=0)
+    torch.testing.assert_close(xg.grad.cpu().double(), xc.grad, atol=tol * max(1.0, xc.grad.abs().max().item()), rtol=0)
+
+
 # --- CUDA plane bands ------------------------------------------------------------------------
 
 
@@ -969,11 +1059,11 @@ def test_cuda_band_kernels_run_when_chosen():
     # from about 10 MiB on; float64 maps from 48 MiB on
     mid = torch.randn(2, 32, 160, 304, device="cuda", requires_grad=True)  # 11.9 MiB
     dense_mid = dense_rois(2, 600, 160, 304, 2, 60, 0.25, seed=2).float().cuda()
-    assert "band_forward_rotated" in kernels("auto", mid, dense_mid)
+    assert "band_forward_swizzled" in kernels("auto", mid, dense_mid)
     mid_half = mid.detach().half().requires_grad_()  # 5.9 MiB
     assert "band_forward" not in kernels("auto", mid_half, dense_mid.half())
     mid_bf16 = torch.randn(2, 64, 160, 304, device="cuda").bfloat16().requires_grad_()  # 11.9 MiB
-    assert "band_forward_rotated" in kernels("auto", mid_bf16, dense_mid.bfloat16())
+    assert "band_forward_swizzled" in kernels("auto", mid_bf16, dense_mid.bfloat16())
     mid_double = torch.randn(2, 16, 160, 304, device="cuda", dtype=torch.float64, requires_grad=True)  # 11.9 MiB
     assert "band_forward" not in kernels("auto", mid_double, dense_mid.double())
 
@@ -1004,8 +1094,8 @@ def test_cuda_band_kernels_by_dtype_and_width():
         gs = max(1.0, xg.grad.float().abs().max().item())
         torch.testing.assert_close(xb.grad.float(), xg.grad.float(), rtol=tol, atol=2 * tol * gs)
         names = [e.name for e in prof.events()]
-        return ({"rotated" if "rotated" in n else "other" for n in names if "band_forward" in n},
-                {"rotated" if "rotated" in n else "other" for n in names if "band_backward" in n})
+        return ({"swizzled" if "swizzled" in n else "other" for n in names if "band_forward" in n},
+                {"swizzled" if "swizzled" in n else "other" for n in names if "band_backward" in n})
 
     # rows of 32-byte pixels a block's shared memory holds, rows padded to 2 mod 4 pixels
     optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
@@ -1019,8 +1109,8 @@ def test_cuda_band_kernels_by_dtype_and_width():
         rois = dense_rois(2, 150, 60, width, 2, 40, 0.5, seed=width).to("cuda", dtype)
         grad = torch.randn(150, 12, 7, 7, generator=g).to("cuda", dtype)
         fits = rows(width) >= 16
-        forward = "rotated" if dtype != torch.float64 and fits else "other"
-        backward = "rotated" if dtype != torch.float64 and fits else "other"
+        forward = "swizzled" if dtype != torch.float64 and fits else "other"
+        backward = "swizzled" if dtype != torch.float64 and fits else "other"
         assert band_kernels(x, rois, grad) == ({forward}, {backward}), (width, dtype)
 
 
@@ -1079,7 +1169,7 @@ def test_cuda_band_backward_sliced_or_overlapping(dtype, size, sliced):
         grads[kernel] = xg.grad
         names = " ".join(e.name for e in prof.events())
         if kernel == "band":
-            assert "band_backward_rotated" in names
+            assert "band_backward_swizzled" in names
             overlapping = "band_tail" in names or "zero_shared_rows" in names
             assert overlapping != sliced, names
             assert ("vectorized_elementwise" in names) == (overlapping and dtype != torch.float32), names
@@ -1111,7 +1201,7 @@ def test_cuda_band_backward_more_bands_than_sliced_lists_hold():
         grads[kernel] = xg.grad
         if kernel == "band":
             names = " ".join(e.name for e in prof.events())
-            assert "band_backward_rotated" in names and "band_tail" in names and "zero_shared_rows" in names, names
+            assert "band_backward_swizzled" in names and "band_tail" in names and "zero_shared_rows" in names, names
     gs = max(1.0, grads["gather"].float().abs().max().item())
     tol = LOW_TOL[torch.float16]
     torch.testing.assert_close(grads["band"].float(), grads["gather"].float(), rtol=tol, atol=2 * tol * gs)
@@ -1157,7 +1247,7 @@ def test_cuda_band_forward_lists_grouped_as_planned(case, grouping):
         roi_align(x, rois, pooled, 0.25, sr, aligned)
         torch.cuda.synchronize()
     names = " ".join(e.name for e in prof.events())
-    assert "band_forward_rotated" in names and grouping in names, names
+    assert "band_forward_swizzled" in names and grouping in names, names
 
 
 @pytest.mark.cuda
@@ -1284,7 +1374,7 @@ def test_cuda_band_forward_last_group_split(tmp_path, dtype):
     rois = torch.cat([rois, off])
     with roi_kernel("band"):
         out, events = _kernel_events(lambda: roi_align(x, rois, (7, 7), 0.25, 2, True), tmp_path)
-    grids = _rotated_forward_grids(events)
+    grids = _swizzled_forward_grids(events)
     # the grid: a column per band of each image (13: rows [15 b, 15 b + 23), the last reaching
     # row 200) and one for the discard key; a row per group of channels (channels_per_block in
     # roi_align_band.cu) and one more
@@ -1322,7 +1412,7 @@ def test_cuda_band_forward_last_rows_heaviest_first(tmp_path, dtype, num_rois, g
     rois[:, 2::2] *= 0.5
     with roi_kernel("band"):
         out, events = _kernel_events(lambda: roi_align(x, rois, (7, 7), 0.25, 2, True), tmp_path)
-        grids = _rotated_forward_grids(events)
+        grids = _swizzled_forward_grids(events)
         assert any(grouping in e.get("name", "") for e in events), grouping
         # 2 x 13 keys and the discard key; the groups of channels and the split row: the three
         # rows taken heaviest first lie past the first wave (one block an SM)
@@ -1355,7 +1445,7 @@ def test_cuda_band_forward_ranked_lists_in_and_past_shared_memory(tmp_path):
         )
     for evs in (events, part_events):
         names = " ".join(e.get("name", "") for e in evs)
-        assert "group_ranked_kernel" in names and "band_forward_rotated" in names, names
+        assert "group_ranked_kernel" in names and "band_forward_swizzled" in names, names
     assert torch.equal(out[:1100], part)
     _assert_close_to_gather(out, x, rois, pooled=(14, 14))
 
@@ -1393,7 +1483,7 @@ def test_cuda_band_last_band_holds_the_rows_past_its_core(tmp_path, size, bands)
             out, events = _kernel_events(fwd_bwd, tmp_path, f"{kernel}{size}")
         results[kernel] = (out.detach(), xg.grad)
         if kernel == "band":
-            grids = _rotated_forward_grids(events)
+            grids = _swizzled_forward_grids(events)
             assert [grid[0] for grid in grids] == [2 * bands + 1], grids  # and the discard key's
             names = " ".join(e.get("name", "") for e in events)
             assert ("zero_shared_rows" in names) == (size == 14), names
@@ -1417,10 +1507,10 @@ def _kernel_events(fn, tmp_path, name="trace"):
     return out, json.loads(trace.read_text())["traceEvents"]
 
 
-def _rotated_forward_grids(events):
+def _swizzled_forward_grids(events):
     """The grids of the conflict-free band forward's launches among a trace's events."""
     return [e["args"]["grid"] for e in events
-            if "band_forward_rotated" in e.get("name", "") and "grid" in e.get("args", {})]
+            if "band_forward_swizzled" in e.get("name", "") and "grid" in e.get("args", {})]
 
 
 def _benchmark_sized(batch, channels, k, max_side, seed, dtype, rois_batch=None):

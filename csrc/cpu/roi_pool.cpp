@@ -34,7 +34,7 @@
 #include "../common/checks.h"
 #include "../common/roi_pool_entries.h"
 #include "../common/roi_pool_geometry.h"
-#include "../detops.h"
+#include "../common/kernel_choice.h"
 #include "output_alloc.h"
 #include "plane_chunks.h"
 #include "work_shares.h"

@@ -31,9 +31,8 @@ inline unsigned int grid_for(int64_t n, int threads) {
 // An uninitialized CUDA tensor for a buffer whose every element a kernel writes before
 // anything reads it. Under torch.use_deterministic_algorithms(True), at::empty fills new memory
 // with NaN (torch.utils.deterministic.fill_uninitialized_memory), one more kernel and one more
-// pass over the buffer, which such a buffer does not need: 50 µs of fills in each
-// deterministic roi_align backward of the benchmark (BENCHMARKS.md, "roi_align deterministic
-// backward: fewer launches").
+// pass over the buffer, which such a buffer does not need; the deterministic backwards, which
+// run in that mode, allocate several.
 inline at::Tensor empty_written(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return at::Tensor(at::detail::empty_cuda(sizes, options));
 }

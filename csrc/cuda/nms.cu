@@ -564,7 +564,7 @@ __global__ void __launch_bounds__(kFixThreads) nms_dataflow_kernel(
 // tile's 64 rows from their words of the tile itself (kept once every earlier overlapping row
 // of the tile is decided and not kept), in as many rounds as the tile's longest chain. So a
 // tile costs shared-memory round trips, not the global ones between blocks of the cooperative
-// pass (BENCHMARKS.md, "NMS pass in one block up to 4096 boxes").
+// pass.
 // Shared memory (dynamic): per row its word of its own tile, and the bits of its nonzero words
 // of earlier tiles not folded yet.
 inline size_t block_pass_smem(int64_t n) {
@@ -802,6 +802,31 @@ int64_t max_count_rank_batched(const cudaDeviceProp* props) {
   return std::min<int64_t>(kMaxCountRank, fit);
 }
 
+// How the boxes are ranked by score (step 1): small inputs whose scores have the boxes' dtype,
+// float precision or less, by counting; larger ones of float precision or less by cub's radix
+// sort of 32-bit keys; float64 scores by torch's stable sort.
+enum class NmsRank { kCount, kRadixSort, kTorchSort };
+
+NmsRank select_rank(int64_t n, bool batched, at::ScalarType boxes, at::ScalarType scores, const cudaDeviceProp* props) {
+  if (n <= (batched ? max_count_rank_batched(props) : kMaxCountRank) && scores == boxes && boxes != at::kDouble) {
+    return NmsRank::kCount;
+  }
+  if (scores != at::kDouble) return NmsRank::kRadixSort;
+  return NmsRank::kTorchSort;
+}
+
+// The greedy pass (step 3): one block where the positions and their words fit it (not batched:
+// its categories' chains run in parallel in the cooperative pass), else the cooperative
+// dataflow kernel.
+enum class NmsPass { kBlock, kDataflow };
+
+NmsPass select_pass(int64_t n, bool batched, const cudaDeviceProp* props) {
+  if (!batched && n <= kMaxBlockPass && block_pass_smem(n) + 8 * 1024 <= props->sharedMemPerBlockOptin) {
+    return NmsPass::kBlock;
+  }
+  return NmsPass::kDataflow;
+}
+
 template <bool kBatched>
 int dataflow_blocks_per_sm() {
   static const int blocks = [] {
@@ -831,12 +856,9 @@ at::Tensor nms_cuda_impl(
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const bool batched = idxs != nullptr;
 
-  // Small inputs whose scores have float precision or less are ranked by counting.
-  const bool count_rank = n <= (batched ? max_count_rank_batched(props) : kMaxCountRank) &&
-                          scores.scalar_type() == boxes.scalar_type() && boxes.scalar_type() != at::kDouble;
-  // Otherwise scores of float precision or less are ranked by cub's radix sort, float64 ones by
-  // torch's sort.
-  const bool radix_rank = !count_rank && scores.scalar_type() != at::kDouble;
+  const NmsRank ranking = select_rank(n, batched, boxes.scalar_type(), scores.scalar_type(), props);
+  const bool count_rank = ranking == NmsRank::kCount;
+  const bool radix_rank = ranking == NmsRank::kRadixSort;
 
   at::Tensor order;     // rank -> original index (torch's sort)
   at::Tensor rank;      // position -> rank (batched NMS, torch's sort)
@@ -931,10 +953,8 @@ at::Tensor nms_cuda_impl(
   const unsigned long long* summary_cptr = summary_ptr;
   const bool* valid_ptr = valid_mut;
 
-  // Up to kMaxBlockPass boxes (not batched: its categories' chains run in parallel in the
-  // cooperative pass) one block takes the pass.
-  const size_t pass_smem = block_pass_smem(n);
-  if (!batched && n <= kMaxBlockPass && pass_smem + 8 * 1024 <= props->sharedMemPerBlockOptin) {
+  if (select_pass(n, batched, props) == NmsPass::kBlock) {
+    const size_t pass_smem = block_pass_smem(n);
     if (pass_smem > 40 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(
           nms_block_pass_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pass_smem)));

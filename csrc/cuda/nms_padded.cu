@@ -23,7 +23,7 @@
 // image by counting (nms_rank.cuh) and writes order, the ranked boxes and nvalid.
 //
 // Memory: the mask holds B * N * ceil(N / 64) 64-bit words (B * N * ceil(N / 64) * 8 bytes:
-// 22 MB for B = 8, N = 4700; 400 MB for B = 8, N = 20000). The suppression words of one image
+// 22 MB for B = 8, N = 4700, 400 MB for B = 8, N = 20000). The suppression words of one image
 // live in shared memory, which bounds N at 6144 * 64 = 393,216.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -212,8 +212,7 @@ __device__ __forceinline__ uint64_t warp_or(uint64_t v) {
 // through memory. The other warps take the kept rows' words of the tiles after those: in step
 // t they load tile t - 1's and OR them into `removed` in step t + 1, so their loads' round trip
 // overlaps a step; warp 0 reads those words from tile t + 2 on. They also write the kept
-// indices. One barrier per tile; kept words and rows are double-buffered across it
-// (BENCHMARKS.md, "nms_padded greedy pass").
+// indices. One barrier per tile; kept words and rows are double-buffered across it.
 __global__ void __launch_bounds__(kGreedyThreads) nms_padded_greedy_kernel(
     int64_t n, int64_t col_blocks, const uint64_t* __restrict__ mask,
     const int64_t* __restrict__ order, const int64_t* __restrict__ nvalid, int64_t max_output,
@@ -392,6 +391,20 @@ void launch_rank<double>(
   TORCH_INTERNAL_ASSERT(false, "detops.nms_padded: float64 scores are ranked by torch's sort");
 }
 
+// How the boxes of each image are ranked by score: by counting (nms_padded_rank_kernel, one
+// launch for steps 1-4) where an image holds at most nms_rank::kMaxCountRank boxes whose scores
+// have the boxes' dtype, float precision or less; else by torch's stable sort of the keys.
+enum class PaddedRank { kCount, kTorchSort };
+
+PaddedRank select_rank(int64_t batch, int64_t n, at::ScalarType boxes, at::ScalarType scores) {
+  const int64_t groups = cuda::ceil_div(n, 32);
+  if (n <= nms_rank::kMaxCountRank && scores == boxes && scores != at::kDouble &&
+      batch <= std::numeric_limits<int32_t>::max() / groups) {
+    return PaddedRank::kCount;
+  }
+  return PaddedRank::kTorchSort;
+}
+
 std::tuple<at::Tensor, at::Tensor> nms_padded_cuda(
     const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold,
     double score_threshold, int64_t max_output) {
@@ -423,9 +436,7 @@ std::tuple<at::Tensor, at::Tensor> nms_padded_cuda(
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t groups = cuda::ceil_div(n, 32);
-  const bool count_rank = n <= nms_rank::kMaxCountRank && scores.scalar_type() == boxes.scalar_type() &&
-                          scores.scalar_type() != at::kDouble &&
-                          batch <= std::numeric_limits<int32_t>::max() / groups;
+  const bool count_rank = select_rank(batch, n, boxes.scalar_type(), scores.scalar_type()) == PaddedRank::kCount;
   at::Tensor order;  // [B, N]: position in N of rank p
   at::Tensor nvalid = at::empty({batch}, long_opts);
   if (!count_rank) {

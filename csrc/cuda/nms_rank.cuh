@@ -2,9 +2,9 @@
 // number of entries ahead of it: a higher key, or the same key and a lower index. That is the
 // order of a stable descending sort, computed without one: every rank is independent, so a
 // block of kRankWarps warps ranks 32 entries (one per lane) while its warps count over shares
-// of all the keys, staged in shared memory. n keys cost n * n comparisons: on an H200 about
-// 3 µs at 1k keys and 18 µs at kMaxCountRank, against 11-50 µs for one block's radix sort of
-// 1k-4.7k keys (BENCHMARKS.md, "NMS ranking by counting").
+// of all the keys, staged in shared memory. n keys cost n * n comparisons, spread over many
+// blocks, where a radix sort of a few thousand keys runs in one block with a pass per digit: up
+// to kMaxCountRank keys, counting takes less time.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +27,8 @@ __device__ __forceinline__ uint32_t score_key(float s) {
 
 // c + 1 where a + b carries out of 32 bits (`add.cc`, `addc`): for unsigned k and m,
 // k + ~m carries exactly when k > m, and k + (0 - m) exactly when k >= m (m > 0). ptxas adds
-// the carries of two such sums in one instruction: 1.5 instructions a comparison, where a
-// compare, an add and a select took three (BENCHMARKS.md, "Counting by carries").
+// the carries of two such sums in one instruction: 1.5 instructions a comparison, against three
+// for a compare, an add and a select.
 __device__ __forceinline__ int add_carry(int c, uint32_t a, uint32_t b) {
   asm("{\n\t.reg .u32 sum;\n\tadd.cc.u32 sum, %1, %2;\n\taddc.u32 %0, %0, 0;\n\t}" : "+r"(c) : "r"(a), "r"(b));
   return c;

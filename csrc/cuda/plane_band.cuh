@@ -93,12 +93,11 @@ struct alignas(NC * sizeof(T)) Lanes {
 // index r * p.stride + x (p planned for pixels of NC values). All threads of the block take
 // part; the caller synchronizes. Interleaved planes are copied a pixel per lane, so that a
 // warp stores consecutive pixels (no bank conflicts; a lane storing the pixels of its own
-// 16-byte vectors of each plane conflicts four ways, and measured no faster). Four 16-bit
-// planes whose rows are whole 4-byte pairs are copied a pair of pixels per lane, so that each
-// load reads 128 bytes of a plane from a 128-byte boundary of the first plane's row: half the
-// load requests (BENCHMARKS.md, "16-bit band staging by pixel pairs"). A single plane whose
-// rows are whole 16-byte vectors is read a vector at a time, four loads per thread in flight,
-// and stored element by element (the shared rows have an odd stride).
+// 16-byte vectors of each plane would conflict four ways). Four 16-bit planes whose rows are
+// whole 4-byte pairs are copied a pair of pixels per lane, so that each load reads 128 bytes of
+// a plane from a 128-byte boundary of the first plane's row: half the load requests. A single
+// plane whose rows are whole 16-byte vectors is read a vector at a time, four loads per thread
+// in flight, and stored element by element (the shared rows have an odd stride).
 template <typename T, int NC>
 __device__ __forceinline__ void stage_rows(
     const T* const (&planes)[NC], int width, const BandPlan& p, BandRows rows, T* __restrict__ smem) {
@@ -260,8 +259,8 @@ __global__ void zero_shared_rows_kernel(
 }
 
 // Zeroes, in every (image, channel) plane of a contiguous [planes, H, W] buffer, the rows that
-// two bands stage. The others are written whole by their band. One launch for all bands (a
-// memset per band cost the host a call per band: 13 for the float32 7x7 backward's bands).
+// two bands stage. The others are written whole by their band. One launch for all bands,
+// rather than a memset (a host call) per band.
 template <typename T>
 void zero_shared_rows(T* data, int64_t planes, int64_t height, int64_t width, const BandPlan& plan,
                       cudaStream_t stream) {
@@ -495,7 +494,7 @@ __global__ void __launch_bounds__(kGroupThreads) group_by_owner_unordered_kernel
 // rows[offsets[key] .. offsets[key + 1]), in increasing order of their index, so that the lists
 // are the same on every call. The kernels' order of work follows them, and so do the bits of
 // those whose sums depend on where in the list a bin lies (the conflict-free band forward's
-// rotated order of loads and adds). Bin row i = k * row_div + r is listed as i, or, with
+// swizzled order of loads and adds). Bin row i = k * row_div + r is listed as i, or, with
 // row_div > 0 (at most 64), as (k << kRowShift) | r, so that kernels need no division to find
 // the RoI.
 //

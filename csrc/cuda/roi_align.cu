@@ -1,25 +1,22 @@
-// RoIAlign forward and backward on CUDA.
+// RoIAlign forward and backward on CUDA: the selection functions that pick a kernel for each
+// call (select_forward, select_backward), and the gather kernels.
 //
-// forward: a block per (RoI, run of channels) computes the RoI's sample rows and columns once
-//   into shared memory, then each thread sums bins from them (the tiled kernel); one thread per
-//   output element recomputing everything (the generic kernel) serves the rare shapes the
-//   tiled kernel does not fit.
-// backward, two kernels, picked by at::globalContext().deterministicAlgorithms():
-//   atomic (default): one thread per grad element scatters its samples into a zeroed
-//     grad_input with atomics (float32 / float64 accumulators; float16 and bfloat16 grads
-//     accumulate in a float32 buffer). Fast, but the order of the additions varies.
-//   deterministic: the contributions of bilinear sampling (pixel, weight, source bin) do not
-//     depend on the channel, so
-//       1. one thread per (RoI, bin) lists the bin's contributions, keyed by pixel
-//          (b * H * W + y * W + x; samples that read nothing get the key B * H * W);
-//       2. a stable sort by key groups the contributions of each pixel, in list order;
-//       3. searchsorted finds each pixel's segment (no host sync);
-//       4. one thread per grad_input element sums its pixel's segment for its channel, in
-//          sorted order, and writes the element once.
-//     Bit-identical from run to run. The list length is known on the host when
-//     sampling_ratio > 0; with an adaptive grid one sync reads it.
-//     Shapes that fit take the gather of roi_align_det.cu first (per-image lists, the
-//     gradient read through rows of 32 channels); this path serves the rest.
+// forward (select_forward):
+//   band (roi_align_band.cu): dense RoIs on contiguous NCHW maps with a fixed sampling grid of
+//     1 to 4: bands of each plane staged in shared memory serve every RoI of the image;
+//   nhwc: channels_last maps, and NCHW maps whose samples far outnumber their elements
+//     (converted first): threads run along channels, reading 16-byte vectors;
+//   tiled: a block per (RoI, run of channels) computes the RoI's sample rows and columns once
+//     into shared memory, then each thread sums bins from them;
+//   generic: one thread per output element recomputing everything, for the shapes the tiled
+//     kernel does not fit.
+// backward (select_backward):
+//   deterministic (at::globalContext().deterministicAlgorithms(), roi_align_deterministic.cu):
+//     pixel-sorted contribution lists summed in a fixed order, bit-identical from run to run;
+//   otherwise every gradient element adds its samples' weighted values with atomics (float32 /
+//   float64 accumulators; float16 and bfloat16 gradients accumulate in a float32 buffer), so
+//   the order of the additions varies: band (roi_align_band.cu) in shared-memory bands for dense
+//   RoIs, else tiled (the forward's tiling) or generic (a thread per gradient element).
 // rois[:, 0] must hold integers in [0, B): a RoI whose batch index is not one contributes
 // nothing in every kernel, and an asynchronous device assert reports it without a host sync.
 #include <ATen/ATen.h>
@@ -30,45 +27,24 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <limits>
-#include <string>
+#include <cstdint>
 
+#include "../common/kernel_choice.h"
 #include "../common/roi_align_checks.h"
 #include "../common/roi_align_geometry.h"
 #include "cuda_helpers.h"
-#include "roi_checks.cuh"
+#include "roi_align_kernels.cuh"
 #include "roi_align_rois.cuh"
+#include "roi_checks.cuh"
 
 namespace detops {
 namespace ops {
-
-// roi_align_det.cu: the deterministic backward through a channel-row gather; false for shapes it
-// does not take, which run the general sort-based path below.
-bool roi_align_backward_deterministic_staged(
-    const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& grad_input);
-
-// roi_align_band.cu: dense RoIs on NCHW maps through shared-memory plane bands; false for
-// inputs the band kernels do not take (or roi_kernel() rules out). rois contiguous, in the
-// dtype of input (of grad), read in the accumulation type by the setup kernel (16-bit RoIs need
-// no conversion pass). Both check the batch indices themselves (the same device assertion as
-// check_batch_indices_async).
-bool roi_align_forward_band(
-    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& output);
-// grad_input: set to the gradient [batch, channels, height, width] in grad's dtype.
-bool roi_align_backward_band(
-    const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, int64_t sampling_ratio, bool aligned, int64_t batch, int64_t channels,
-    int64_t height, int64_t width, at::Tensor& grad_input);
 
 namespace {
 
 constexpr const char* kForwardOp = "detops.roi_align";
 constexpr const char* kBackwardOp = "detops._roi_align_backward";
 constexpr int kThreads = 256;
-// A deterministic backward whose contribution list would pass this many entries is refused.
-constexpr int64_t kMaxContributions = int64_t{1} << 40;
 
 using roi_align::BilinearSample;
 using roi_align::RoIBins;
@@ -415,93 +391,78 @@ __global__ void roi_align_backward_atomic_kernel(
   }
 }
 
-// Deterministic backward, step 1: one thread per (RoI, bin) writes the bin's contributions at
-// first[k] + bin * grid_h * grid_w * 4 (first == nullptr: at k * per_roi).
-template <typename key_t, typename acc_t>
-__global__ void roi_contribution_kernel(
-    int64_t total_bins, const acc_t* __restrict__ rois, int64_t batch, int64_t channels,
-    int64_t height, int64_t width, int64_t pooled_height, int64_t pooled_width, acc_t scale,
-    int64_t sampling_ratio, bool aligned, const int64_t* __restrict__ first, int64_t per_roi,
-    key_t* __restrict__ keys, acc_t* __restrict__ weights, int64_t* __restrict__ sources) {
-  const key_t sentinel = static_cast<key_t>(batch * height * width);
-  const int64_t bins = pooled_height * pooled_width;
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       idx < total_bins; idx += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    const int64_t bin = idx % bins;
-    const int64_t k = idx / bins;
-    const acc_t* roi = rois + k * 5;
-    const int64_t b = roi_align::roi_batch_index(roi[0], batch);
-    const RoIBins<acc_t> r =
-        bins_of(roi, scale, pooled_height, pooled_width, sampling_ratio, aligned);
-    const int64_t per_bin = r.grid_h * r.grid_w * 4;
-    int64_t j = (first != nullptr ? first[k] : k * per_roi) + bin * per_bin;
-    if (b < 0) {
-      // Adaptive lists hold no entries for such a RoI; fixed-size lists are padded.
-      if (first == nullptr) {
-        for (int64_t e = 0; e < per_bin; ++e, ++j) {
-          keys[j] = sentinel;
-          weights[j] = acc_t(0);
-          sources[j] = 0;
-        }
-      }
-      continue;
-    }
-    const int64_t ph = bin / pooled_width, pw = bin % pooled_width;
-    const int64_t source = k * channels * bins + bin;
-    const int64_t image = b * height * width;
-    BilinearSample<acc_t> s;
-    for (int64_t iy = 0; iy < r.grid_h; ++iy) {
-      const acc_t y = roi_align::sample_coord(r.start_h, r.bin_h, ph, iy, r.grid_h);
-      for (int64_t ix = 0; ix < r.grid_w; ++ix, j += 4) {
-        const acc_t x = roi_align::sample_coord(r.start_w, r.bin_w, pw, ix, r.grid_w);
-        if (!roi_align::bilinear_sample(y, x, height, width, s)) {
-          for (int e = 0; e < 4; ++e) {
-            keys[j + e] = sentinel;
-            weights[j + e] = acc_t(0);
-            sources[j + e] = 0;
-          }
-          continue;
-        }
-        const int64_t row_lo = image + s.y_low * width, row_hi = image + s.y_high * width;
-        keys[j + 0] = static_cast<key_t>(row_lo + s.x_low);
-        keys[j + 1] = static_cast<key_t>(row_lo + s.x_high);
-        keys[j + 2] = static_cast<key_t>(row_hi + s.x_low);
-        keys[j + 3] = static_cast<key_t>(row_hi + s.x_high);
-        weights[j + 0] = s.w1 / r.count;
-        weights[j + 1] = s.w2 / r.count;
-        weights[j + 2] = s.w3 / r.count;
-        weights[j + 3] = s.w4 / r.count;
-        for (int e = 0; e < 4; ++e) sources[j + e] = source;
-      }
-    }
-  }
-}
-
-// Deterministic backward, step 4: grad_input[b, c, y, x] = sum over the segment of pixel
-// (b, y, x), in sorted order, of weight * grad[source + c * bins].
-template <typename scalar_t, typename acc_t>
-__global__ void roi_align_gather_kernel(
-    int64_t total, int64_t channels, int64_t plane_size, int64_t bins,
-    const int64_t* __restrict__ segment, const acc_t* __restrict__ weights,
-    const int64_t* __restrict__ sources, const scalar_t* __restrict__ grad,
-    scalar_t* __restrict__ grad_input) {
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    const int64_t p = idx % plane_size;
-    const int64_t c = (idx / plane_size) % channels;
-    const int64_t b = idx / (plane_size * channels);
-    const int64_t key = b * plane_size + p;
-    const int64_t channel_offset = c * bins;
-    acc_t sum = 0;
-    for (int64_t j = segment[key], e = segment[key + 1]; j < e; ++j) {
-      sum += weights[j] * static_cast<acc_t>(grad[sources[j] + channel_offset]);
-    }
-    grad_input[idx] = static_cast<scalar_t>(sum);
-  }
-}
-
 at::ScalarType acc_dtype_of(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Outputs per block of the tiled kernels (and of the nhwc kernel's grid): the channels of a
+// RoI that a block takes.
+int64_t tiled_channels_per_block(const RoIAlignShape& s) {
+  const int64_t bins = s.pooled_height * s.pooled_width;
+  return std::max<int64_t>(1, std::min<int64_t>(s.channels, kTiledOutputs / bins));
+}
+
+// The tiled kernels (and the nhwc one) keep pixel offsets in 32 bits and a RoI per grid column.
+bool tiled_takes(const RoIAlignShape& s) {
+  const int64_t bins = s.pooled_height * s.pooled_width;
+  const int64_t channel_blocks = cuda::ceil_div(s.channels, tiled_channels_per_block(s));
+  return s.height * s.width < (int64_t{1} << 31) && channel_blocks <= 65535 &&
+      s.num_rois < (int64_t{1} << 31) && bins <= kTiledOutputs;
+}
+
+// Channels-last input, or NCHW input whose samples far outnumber its elements: the NCHW tiled
+// kernel costs about twice as much per sample as the nhwc one (in NCHW every pixel of a channel
+// is a separate sector), so converting the map pays once the samples save more than the
+// conversion costs, from about 8 samples per input element. C and the tile's runs of channels
+// are multiples of a 16-byte vector; a channels_last input is read in place, so it must start
+// on 16 bytes (a converted copy is a new allocation, which does).
+bool nhwc_takes(const at::Tensor& input, const RoIAlignShape& s) {
+  const int64_t vec = 16 / static_cast<int64_t>(input.element_size());
+  const int64_t bins = s.pooled_height * s.pooled_width;
+  const int64_t sample_estimate = s.num_rois * s.channels * bins * 4 *
+      std::max<int64_t>(1, s.sampling_ratio > 0 ? s.sampling_ratio * s.sampling_ratio : 4);
+  if (!tiled_takes(s) || s.channels % vec != 0 || bins > 512) return false;
+  if (input.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    return reinterpret_cast<uintptr_t>(input.const_data_ptr()) % 16 == 0;
+  }
+  return s.channels >= 32 && sample_estimate >= 8 * input.numel();
+}
+
+// The forward's kernel for these shapes, layout and dtype; roi_kernel() (a test and benchmark
+// setting) forces the band kernels on or off where they can take the shapes.
+RoIAlignForwardKernel select_forward(const at::Tensor& input, const RoIAlignShape& s) {
+  const RoIKernel choice = roi_kernel();
+  if (choice != RoIKernel::kGather && input.is_contiguous() && roi_align_band_takes(s, input.element_size()) &&
+      (choice == RoIKernel::kBand || roi_align_band_forward_pays(s))) {
+    return roi_align_band_forward_swizzled_takes(s) ? RoIAlignForwardKernel::kBandSwizzled
+                                                    : RoIAlignForwardKernel::kBand;
+  }
+  if (nhwc_takes(input, s)) return RoIAlignForwardKernel::kNhwc;
+  if (tiled_takes(s)) return RoIAlignForwardKernel::kTiled;
+  return RoIAlignForwardKernel::kGeneric;
+}
+
+// The backward's kernel: the deterministic one under torch.use_deterministic_algorithms(True),
+// else by shapes and dtype as in select_forward.
+RoIAlignBackwardKernel select_backward(const RoIAlignShape& s) {
+  if (at::globalContext().deterministicAlgorithms()) return RoIAlignBackwardKernel::kDeterministic;
+  const RoIKernel choice = roi_kernel();
+  const int64_t acc_bytes = static_cast<int64_t>(at::elementSize(at::toOpMathType(s.dtype)));
+  if (choice != RoIKernel::kGather && roi_align_band_takes(s, acc_bytes) &&
+      (choice == RoIKernel::kBand || roi_align_band_backward_pays(s))) {
+    if (roi_align_band_backward_sliced_takes(s)) return RoIAlignBackwardKernel::kBandSliced;
+    if (roi_align_band_backward_swizzled_takes(s)) return RoIAlignBackwardKernel::kBandSwizzled;
+    return RoIAlignBackwardKernel::kBand;
+  }
+  if (tiled_takes(s)) return RoIAlignBackwardKernel::kTiled;
+  return RoIAlignBackwardKernel::kGeneric;
+}
+
+// rois in the accumulation type, contiguous, for the kernels of this file, once their batch
+// indices are checked (on the device; the band kernels check them in their setup instead).
+at::Tensor checked_rois(roi_checks::RoIOp op, const at::Tensor& rois, int64_t batch, at::ScalarType dtype) {
+  roi_checks::check_batch_indices_async(op, rois, batch);
+  return rois.to(acc_dtype_of(dtype)).contiguous();
 }
 
 at::Tensor roi_align_forward_cuda(
@@ -515,155 +476,66 @@ at::Tensor roi_align_forward_cuda(
   at::Tensor output =
       cuda::empty_written({rois.size(0), input.size(1), pooled_height, pooled_width}, input.options());
   if (output.numel() == 0) return output;
-  const int64_t batch = input.size(0);
-  // the band kernels check the batch indices in their setup
-  if (roi_align_forward_band(
-          input, rois.contiguous(), spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, output)) {
+  const RoIAlignShape s{input.size(0), input.size(1),  input.size(2), input.size(3),        rois.size(0),
+                        pooled_height, pooled_width,   sampling_ratio, input.scalar_type()};
+  const RoIAlignForwardKernel kernel = select_forward(input, s);
+  if (kernel == RoIAlignForwardKernel::kBandSwizzled || kernel == RoIAlignForwardKernel::kBand) {
+    roi_align_band_forward(
+        kernel, input, rois.contiguous(), spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,
+        output);
     return output;
   }
-  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlign, rois, batch);
-  const at::Tensor r = rois.to(acc_dtype_of(rois.scalar_type())).contiguous();
-  const int64_t total = output.numel();
+  const at::Tensor r = checked_rois(roi_checks::RoIOp::kRoIAlign, rois, s.batch, input.scalar_type());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t channels = input.size(1), bins = pooled_height * pooled_width;
-  const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(channels, kTiledOutputs / bins));
-  const int64_t channel_blocks = (channels + per_block - 1) / per_block;
-  // The tiled kernels keep pixel offsets in 32 bits and a RoI per grid column.
-  const bool tiled = input.size(2) * input.size(3) < (int64_t{1} << 31) && channel_blocks <= 65535 &&
-      rois.size(0) < (int64_t{1} << 31) && bins <= kTiledOutputs;
-  // Channels-last input, or NCHW input whose samples far outnumber its elements (then one
-  // conversion pass costs less than sector-wasting NCHW gathers), takes the vectorized path.
-  const int64_t vec = 16 / static_cast<int64_t>(input.element_size());
-  const int64_t sample_estimate = rois.size(0) * channels * bins * 4 *
-      std::max<int64_t>(1, sampling_ratio > 0 ? sampling_ratio * sampling_ratio : 4);
-  const bool channels_last = input.is_contiguous(at::MemoryFormat::ChannelsLast);
-  // Measured on an H200 (BENCHMARKS.md): the NCHW tiled kernel costs about 1.9 ns per 1000
-  // samples, the channels-last one about 1.0, and torch's conversion about 7.4 per 1000 input
-  // elements, so converting pays from about 8 samples per input element.
-  const bool nhwc = tiled && channels % vec == 0 && bins <= 512 &&
-      (channels_last || (channels >= 32 && sample_estimate >= 8 * input.numel()));
-  const at::Tensor xl = nhwc && !channels_last ? input.contiguous(at::MemoryFormat::ChannelsLast) : input;
-  if (nhwc && reinterpret_cast<uintptr_t>(xl.const_data_ptr()) % 16 == 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kForwardOp, [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      constexpr int kVec = 16 / sizeof(scalar_t);
-      const int bins_stride = static_cast<int>(bins % 2 ? bins : bins + 1);
-      // the tile shares the default 48 KiB with the static tap tables
-      const int64_t budget = 48 * 1024 - 2 * kTapCapacity * static_cast<int64_t>(sizeof(AxisTap<acc_t>));
-      int64_t per_block = std::min<int64_t>(kNhwcTileBytes, budget) /
-          (bins_stride * static_cast<int64_t>(sizeof(acc_t)));
-      per_block = std::max<int64_t>(kVec, std::min<int64_t>(channels, per_block / kVec * kVec));
-      const int64_t blocks_c = (channels + per_block - 1) / per_block;
-      const size_t tile_bytes = static_cast<size_t>(per_block * bins_stride * sizeof(acc_t));
-      auto kernel = roi_align_forward_nhwc_kernel<scalar_t, acc_t, kVec>;
-      const dim3 grid(static_cast<unsigned>(rois.size(0)), static_cast<unsigned>(blocks_c));
-      kernel<<<grid, kTiledThreads, tile_bytes, stream>>>(
-          xl.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch, channels, xl.size(2),
-          xl.size(3), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
-          static_cast<acc_t>(spatial_scale), sampling_ratio, aligned, static_cast<int>(per_block),
-          bins_stride, output.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-    return output;
-  }
-  const at::Tensor x = input.contiguous();
+  const int64_t batch = s.batch, channels = s.channels, bins = pooled_height * pooled_width;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kForwardOp, [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    if (tiled) {
-      const dim3 grid(static_cast<unsigned>(rois.size(0)), static_cast<unsigned>(channel_blocks));
-      roi_align_forward_tiled_kernel<scalar_t, acc_t><<<grid, kTiledThreads, 0, stream>>>(
-          x.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch, channels, x.size(2),
-          x.size(3), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
-          static_cast<acc_t>(spatial_scale), sampling_ratio, aligned, static_cast<int>(per_block),
-          output.data_ptr<scalar_t>());
-    } else {
-      roi_align_forward_kernel<scalar_t, acc_t>
-          <<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(
-              total, x.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch, channels,
-              x.size(2), x.size(3), pooled_height, pooled_width, static_cast<acc_t>(spatial_scale),
-              sampling_ratio, aligned, output.data_ptr<scalar_t>());
+    switch (kernel) {
+      case RoIAlignForwardKernel::kNhwc: {
+        const at::Tensor xl = input.contiguous(at::MemoryFormat::ChannelsLast);
+        constexpr int kVec = 16 / sizeof(scalar_t);
+        const int bins_stride = static_cast<int>(bins % 2 ? bins : bins + 1);
+        // the tile shares the default 48 KiB with the static tap tables
+        const int64_t budget = 48 * 1024 - 2 * kTapCapacity * static_cast<int64_t>(sizeof(AxisTap<acc_t>));
+        int64_t per_block = std::min<int64_t>(kNhwcTileBytes, budget) /
+            (bins_stride * static_cast<int64_t>(sizeof(acc_t)));
+        per_block = std::max<int64_t>(kVec, std::min<int64_t>(channels, per_block / kVec * kVec));
+        const int64_t blocks_c = (channels + per_block - 1) / per_block;
+        const size_t tile_bytes = static_cast<size_t>(per_block * bins_stride * sizeof(acc_t));
+        auto nhwc = roi_align_forward_nhwc_kernel<scalar_t, acc_t, kVec>;
+        const dim3 grid(static_cast<unsigned>(rois.size(0)), static_cast<unsigned>(blocks_c));
+        nhwc<<<grid, kTiledThreads, tile_bytes, stream>>>(
+            xl.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch, channels, xl.size(2),
+            xl.size(3), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
+            static_cast<acc_t>(spatial_scale), sampling_ratio, aligned, static_cast<int>(per_block),
+            bins_stride, output.data_ptr<scalar_t>());
+        break;
+      }
+      case RoIAlignForwardKernel::kTiled: {
+        const at::Tensor x = input.contiguous();
+        const int64_t per_block = tiled_channels_per_block(s);
+        const dim3 grid(static_cast<unsigned>(rois.size(0)), static_cast<unsigned>(cuda::ceil_div(channels, per_block)));
+        roi_align_forward_tiled_kernel<scalar_t, acc_t><<<grid, kTiledThreads, 0, stream>>>(
+            x.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch, channels, x.size(2),
+            x.size(3), static_cast<int>(pooled_height), static_cast<int>(pooled_width),
+            static_cast<acc_t>(spatial_scale), sampling_ratio, aligned, static_cast<int>(per_block),
+            output.data_ptr<scalar_t>());
+        break;
+      }
+      default: {
+        const at::Tensor x = input.contiguous();
+        const int64_t total = output.numel();
+        roi_align_forward_kernel<scalar_t, acc_t>
+            <<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(
+                total, x.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch, channels,
+                x.size(2), x.size(3), pooled_height, pooled_width, static_cast<acc_t>(spatial_scale),
+                sampling_ratio, aligned, output.data_ptr<scalar_t>());
+        break;
+      }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return output;
-}
-
-template <typename scalar_t, typename key_t>
-void backward_deterministic(
-    const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& grad_input) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const int64_t batch = grad_input.size(0), channels = grad_input.size(1);
-  const int64_t height = grad_input.size(2), width = grad_input.size(3);
-  const int64_t num_rois = rois.size(0);
-  const int64_t bins = pooled_height * pooled_width;
-  const acc_t scale = static_cast<acc_t>(spatial_scale);
-  const acc_t* roi_ptr = rois.const_data_ptr<acc_t>();
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const auto long_opts = grad.options().dtype(at::kLong);
-
-  // Where each RoI's contributions start, and how many there are in all.
-  at::Tensor first;
-  int64_t per_roi = 0, total = 0;
-  if (sampling_ratio > 0) {
-    const double n = static_cast<double>(num_rois) * bins * sampling_ratio * sampling_ratio * 4;
-    DETOPS_CHECK(
-        n <= static_cast<double>(kMaxContributions), kBackwardOp,
-        ": too many samples for the deterministic backward (", n, " contributions)");
-    per_roi = bins * sampling_ratio * sampling_ratio * 4;
-    total = num_rois * per_roi;
-  } else {
-    DETOPS_CHECK(
-        num_rois < (int64_t{1} << 22), kBackwardOp,
-        ": the deterministic backward with an adaptive grid takes at most 2^22 RoIs, got ",
-        num_rois);
-    at::Tensor counts = at::empty({num_rois}, long_opts);
-    roi_align_cuda::contribution_count_kernel<acc_t>
-        <<<cuda::grid_for(num_rois, kThreads), kThreads, 0, stream>>>(
-            num_rois, roi_ptr, batch, pooled_height, pooled_width, scale, sampling_ratio,
-            aligned, kMaxContributions, counts.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const at::Tensor ends = counts.cumsum(0);
-    first = ends - counts;
-    total = ends[-1].item<int64_t>();  // the one host sync: it sizes the list
-    DETOPS_CHECK(
-        total < kMaxContributions, kBackwardOp,
-        ": too many samples for the deterministic backward (", total, " contributions)");
-  }
-
-  const at::ScalarType key_dtype = c10::CppTypeToScalarType<key_t>::value;
-  at::Tensor keys = at::empty({total}, grad.options().dtype(key_dtype));
-  at::Tensor weights = at::empty({total}, grad.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-  at::Tensor sources = at::empty({total}, long_opts);
-  if (total > 0) {
-    const int64_t total_bins = num_rois * bins;
-    roi_contribution_kernel<key_t, acc_t>
-        <<<cuda::grid_for(total_bins, kThreads), kThreads, 0, stream>>>(
-            total_bins, roi_ptr, batch, channels, height, width, pooled_height, pooled_width,
-            scale, sampling_ratio, aligned,
-            first.defined() ? first.const_data_ptr<int64_t>() : nullptr, per_roi,
-            keys.data_ptr<key_t>(), weights.data_ptr<acc_t>(), sources.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-
-  // Group by pixel; equal keys keep their list order, which fixes the order of the sums.
-  const auto sorted = keys.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
-  const at::Tensor& sorted_keys = std::get<0>(sorted);
-  const at::Tensor& perm = std::get<1>(sorted);
-  const at::Tensor sorted_weights = weights.index_select(0, perm);
-  const at::Tensor sorted_sources = sources.index_select(0, perm);
-  const int64_t pixels = batch * height * width;
-  const at::Tensor segment = at::searchsorted(
-      sorted_keys, at::arange(pixels + 1, grad.options().dtype(key_dtype)),
-      /*out_int32=*/false, /*right=*/false);
-
-  const at::Tensor g = grad.contiguous();
-  const int64_t n = grad_input.numel();
-  roi_align_gather_kernel<scalar_t, acc_t><<<cuda::grid_for(n, kThreads), kThreads, 0, stream>>>(
-      n, channels, height * width, bins, segment.const_data_ptr<int64_t>(),
-      sorted_weights.const_data_ptr<acc_t>(), sorted_sources.const_data_ptr<int64_t>(),
-      g.const_data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 at::Tensor roi_align_backward_cuda(
@@ -679,41 +551,30 @@ at::Tensor roi_align_backward_cuda(
   if (batch_size * channels * height * width == 0 || rois.size(0) == 0) {
     return at::zeros({batch_size, channels, height, width}, grad.options());
   }
-  if (at::globalContext().deterministicAlgorithms()) {
-    roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlignBackward, rois, batch_size);
-    const at::Tensor r = rois.to(acc_dtype_of(dtype)).contiguous();
-    // every element written by either deterministic backward
-    at::Tensor grad_input = cuda::empty_written({batch_size, channels, height, width}, grad.options());
-    if (roi_align_backward_deterministic_staged(
-            grad, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,
-            grad_input)) {
+  const RoIAlignShape s{batch_size,    channels,     height,         width, rois.size(0),
+                        pooled_height, pooled_width, sampling_ratio, dtype};
+  const RoIAlignBackwardKernel kernel = select_backward(s);
+  switch (kernel) {
+    case RoIAlignBackwardKernel::kDeterministic: {
+      const at::Tensor r = checked_rois(roi_checks::RoIOp::kRoIAlignBackward, rois, batch_size, dtype);
+      // every element written by the deterministic backward
+      at::Tensor grad_input = cuda::empty_written({batch_size, channels, height, width}, grad.options());
+      roi_align_backward_deterministic(
+          grad, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, grad_input);
       return grad_input;
     }
-    const bool small_keys = batch_size * height * width < std::numeric_limits<int32_t>::max();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, kBackwardOp, [&] {
-      if (small_keys) {
-        backward_deterministic<scalar_t, int32_t>(
-            grad, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,
-            grad_input);
-      } else {
-        backward_deterministic<scalar_t, int64_t>(
-            grad, r, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,
-            grad_input);
-      }
-    });
-    return grad_input;
-  }
-
-  // the band kernels check the batch indices in their setup
-  if (at::Tensor grad_input; roi_align_backward_band(
-          grad, rois.contiguous(), spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,
-          batch_size, channels, height, width, grad_input)) {
-    return grad_input;
+    case RoIAlignBackwardKernel::kBandSliced:
+    case RoIAlignBackwardKernel::kBandSwizzled:
+    case RoIAlignBackwardKernel::kBand:
+      return roi_align_band_backward(
+          kernel, grad, rois.contiguous(), spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned,
+          batch_size, channels, height, width);
+    default:
+      break;
   }
   at::Tensor acc = at::empty(
       {batch_size, channels, height, width}, grad.options().dtype(acc_dtype_of(dtype)));
-  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIAlignBackward, rois, batch_size);
-  const at::Tensor r = rois.to(acc_dtype_of(dtype)).contiguous();
+  const at::Tensor r = checked_rois(roi_checks::RoIOp::kRoIAlignBackward, rois, batch_size, dtype);
   acc.zero_();
   const at::Tensor g = grad.contiguous();
   const int64_t total = g.numel();
@@ -721,25 +582,21 @@ at::Tensor roi_align_backward_cuda(
     cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, kBackwardOp, [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      const int64_t bins = pooled_height * pooled_width;
-      const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(channels, kTiledOutputs / bins));
-      const int64_t channel_blocks = (channels + per_block - 1) / per_block;
-      if (height * width < (int64_t{1} << 31) && channel_blocks <= 65535 &&
-          rois.size(0) < (int64_t{1} << 31) && bins <= kTiledOutputs) {
-        const dim3 grid(static_cast<unsigned>(rois.size(0)), static_cast<unsigned>(channel_blocks));
+      if (kernel == RoIAlignBackwardKernel::kTiled) {
+        const int64_t per_block = tiled_channels_per_block(s);
+        const dim3 grid(static_cast<unsigned>(rois.size(0)), static_cast<unsigned>(cuda::ceil_div(channels, per_block)));
         roi_align_backward_tiled_kernel<scalar_t, acc_t><<<grid, kTiledThreads, 0, stream>>>(
             g.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch_size, channels, height,
             width, static_cast<int>(pooled_height), static_cast<int>(pooled_width),
             static_cast<acc_t>(spatial_scale), sampling_ratio, aligned,
             static_cast<int>(per_block), acc.data_ptr<acc_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
+      } else {
+        roi_align_backward_atomic_kernel<scalar_t, acc_t>
+            <<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(
+                total, g.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch_size,
+                channels, height, width, pooled_height, pooled_width,
+                static_cast<acc_t>(spatial_scale), sampling_ratio, aligned, acc.data_ptr<acc_t>());
       }
-      roi_align_backward_atomic_kernel<scalar_t, acc_t>
-          <<<cuda::grid_for(total, kThreads), kThreads, 0, stream>>>(
-              total, g.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), batch_size,
-              channels, height, width, pooled_height, pooled_width,
-              static_cast<acc_t>(spatial_scale), sampling_ratio, aligned, acc.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }

@@ -1,24 +1,26 @@
 // RoIAlign on CUDA through plane bands (plane_band.cuh), for dense RoIs on NCHW maps with a
-// fixed sampling grid (sampling_ratio 1..kMaxBandGrid).
+// fixed sampling grid (sampling_ratio 1..kMaxBandGrid). roi_align.cu's selection functions pick
+// these kernels through the predicates and launchers at the end of this file
+// (roi_align_kernels.cuh).
 //
 // The gather kernels of roi_align.cu read each sample's pixels from global memory: a 32-byte
 // sector per pixel pair, fetched again for every RoI that samples near it, so dense RoIs (an
 // FPN level of a detector) read each plane many times over. Here a block per (image, band of
-// rows, group of channels) stages the band of one channel plane at a time in shared memory and
+// rows, group of channels) stages the band of its channel planes in shared memory once and
 // computes, from it, every bin row its band owns, for all RoIs of the image:
 //   1. band_taps_kernel (launched early, so that it starts as the kernel before it ends: it waits
-//      for that kernel first) computes each RoI's sample rows and columns once (AxisTap: the two
-//      pixel rows / columns a sample reads and their weights, the rules of bilinear_sample) and
-//      the owner of each bin row (k, ph): the band holding its first pixel row, keyed
+//      for that kernel first) computes each RoI's sample rows and columns once (the two pixel
+//      rows / columns a sample reads and their weights, the rules of bilinear_sample) and the
+//      owner of each bin row (k, ph): the band holding its first pixel row, keyed
 //      image * bands + band. A bin row none of whose sample rows lies on the map (all of an
 //      out-of-map RoI's, or of a RoI with an invalid batch index) gets the discard key
 //      batch * bands instead: no band block reads it, the forward's blocks of that key write
-//      its bins as zeros and the backward gives it no gradient. So RoIs far outside the
-//      map (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
-//   2. the bin rows are listed by owner (plane_band::group_by_owner; for the conflict-free
-//      forward in bin-row order, so that its sums, whose order follows the list, give the same
-//      bits on every call: there, where the sizes allow, the taps kernel ranks each bin row
-//      among its block's of the same owner and group_ranked_kernel, launched early, places it).
+//      its bins as zeros and the backward gives it no gradient. So RoIs far outside the map
+//      (the other levels' RoIs of a sync-free multi-level pooler) cost no band work;
+//   2. the bin rows are listed by owner (plane_band::group_by_owner; for the swizzled forward
+//      in bin-row order, so that its sums, whose order follows the list, give the same bits on
+//      every call: there, where the sizes allow, the taps kernel ranks each bin row among its
+//      block's of the same owner and group_ranked_kernel, launched early, places it).
 //      Each block then, for each channel of its group (each two, four, eight or sixteen
 //      channels, in the forward), stages the band and computes its listed bins. On compute
 //      capability 9.0 and later the forward is launched to start while the grouping still runs
@@ -28,31 +30,33 @@
 // global memory. The forward is bound by load wavefronts (the taps from L1/L2, shared-memory
 // reads with bank conflicts), not by arithmetic: so taps are 8 bytes, loaded two at a time,
 // and the band holds channel planes interleaved, so that one list entry, one set of taps and
-// weights, and one shared load serve several channels (BENCHMARKS.md, "roi_align band
-// forward"). float32, float16 and bfloat16 maps take roi_align_band_forward_rotated_kernel:
-// 32-byte staged pixels of eight float32 or sixteen 16-bit channels, read without bank
-// conflicts and computed in float32; while a block computes, it asks L2 for the band
-// of a block about a wave later (prefetch_later_band). Its blocks keep the start of their list
-// in the shared memory after the band, and where the grid holds two waves or more, the blocks
-// of the last group of channels share each key's list with a row of blocks added to the grid
-// (split_last_group), so that the blocks that start last end sooner; those two rows and the
-// one before them take their keys longest list first (the grouping ranks them:
-// plane_band::list_keys_heaviest_first). float64 maps (and maps
-// too wide for its bands) take roi_align_band_forward_kernel: two or four channels per pixel,
-// a bin the same sum, term for term, as in the tiled gather kernel.
-// Backward (the default, non-deterministic one): the block scatters into a band of acc_t in
-// shared memory with shared-memory atomics, then writes the band out (gradients accumulated in
-// float32, of float32, float16 or bfloat16, in roi_align_band_backward_rotated_kernel: eight
-// channels per staged pixel, every warp-wide add on 32 different banks; float64 ones one
-// channel at a time). In the forward's overlapping bands, rows that two bands stage (the first
-// `overlap` rows of every band but the first) are zeroed beforehand and added with global
-// atomics; every other row is written once with a plain store, so grad_input needs no zeroing.
-// Pixels past a block's window are left to band_tail_backward_kernel, which runs after and
-// adds them with global atomics. The rotated backward also runs in bands without overlap
-// (sliced_plan; 16-bit gradients, and float32 ones whose overlapping bands would share at
-// least half their rows): each bin row is listed in every band its sample rows touch, each band
-// adds only its own rows and stores them all in the gradient's type, so there are no shared
-// rows, no tail and no float32 buffer.
+// weights, and one shared load serve several channels.
+//   swizzled (float32, float16 and bfloat16 maps, roi_align_band_forward_swizzled_kernel):
+//     32-byte staged pixels of eight float32 or sixteen 16-bit channels, placed so that the
+//     loads of a warp hit no bank twice, computed in float32; while a block computes, it asks
+//     L2 for the band of a block about a wave later (prefetch_later_band). Its blocks keep the
+//     start of their list in the shared memory after the band, and where the grid holds two
+//     waves or more, the blocks of the last group of channels share each key's list with a row
+//     of blocks added to the grid (split_last_group), so that the blocks that start last end
+//     sooner; those two rows and the one before them take their keys longest list first (the
+//     grouping ranks them: plane_band::list_keys_heaviest_first);
+//   band (float64 maps, and maps too wide for the swizzled bands, roi_align_band_forward_kernel):
+//     two or four interleaved channels per staged pixel, a bin the same sum, term for term, as
+//     in the tiled gather kernel.
+// Backward (the atomic one): the block scatters into a band of acc_t in shared memory with
+// shared-memory atomics, then writes the band out.
+//   sliced (roi_align_band_backward_swizzled_kernel with kSliced; 16-bit gradients, and float32
+//     ones whose overlapping bands would share at least half their rows): swizzled bands without
+//     overlap; each bin row is listed in every band its sample rows touch, each band adds only
+//     its own rows and stores them all in the gradient's type, so there are no shared rows, no
+//     tail and no float32 buffer;
+//   swizzled (other float32 accumulators): eight channels per staged pixel, every warp-wide add
+//     on 32 different banks, in the forward's overlapping bands;
+//   band (float64): one channel at a time, in overlapping bands.
+//   In overlapping bands, rows that two bands stage (the first `overlap` rows of every band but
+//   the first) are zeroed beforehand and added with global atomics; every other row is written
+//   once with a plain store, so the buffer needs no zeroing. Pixels past a block's window are
+//   left to band_tail_backward_kernel, which runs after and adds them with global atomics.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/Atomic.cuh>
@@ -66,9 +70,9 @@
 #include <type_traits>
 
 #include "../common/roi_align_geometry.h"
-#include "../detops.h"
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
+#include "roi_align_kernels.cuh"
 #include "roi_align_rois.cuh"
 #include "roi_checks.cuh"
 
@@ -133,8 +137,7 @@ constexpr int kNoCheck = -1;  // band_taps_kernel's check_op: no batch-index che
 // The ranked grouping (group_ranked_kernel): a chunk is one block of band_taps_kernel, its
 // kRankThreads items (a thread each). Where keys run to kRankKeys and chunks x keys to
 // kRankEntries, the setup lists bin rows in order in two parallel steps instead of
-// group_by_owner_kernel's one block walking all of them (BENCHMARKS.md, "Setup of the float32
-// band forward").
+// group_by_owner_kernel's one block walking all of them.
 constexpr int kRankThreads = 256;
 constexpr int kRankWarps = kRankThreads / 32;
 constexpr int kRankKeys = 512;
@@ -271,7 +274,7 @@ __global__ void band_taps_kernel(
 // a division. Where the lists fit in kGroupListBytes (in_shared: launched with total ints of
 // dynamic shared memory), the bin rows are placed in shared memory and the lists copied out in
 // order, so that the block's stores are whole lines rather than one scattered store per bin
-// row (BENCHMARKS.md, "roi_align band forward: the lists in fewer round trips").
+// row.
 constexpr int kGroupHeld = 16;
 constexpr int64_t kGroupListBytes = 64 * 1024;
 
@@ -659,15 +662,15 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_kernel(
 // eight lanes of a phase read eight unrelated pixels, about 2.5 wavefronts per phase.) A bin's
 // four terms are added in that order, one multiply-add each (16-bit values unpacked to float32
 // first), so its rounding differs from the gather kernels'.
-constexpr int kRotatedPixelBytes = 32;
-// The most shared memory the conflict-free forward gives its block's list, after the band.
-constexpr int64_t kRotatedListBytes = 8192;
+constexpr int kSwizzledPixelBytes = 32;
+// The most shared memory the swizzled forward gives its block's list, after the band.
+constexpr int64_t kSwizzledListBytes = 8192;
 
 // Asks L2 for the band that block `ahead` blocks after this one in launch order stages (its
 // rows of each of its channels' planes, a bulk prefetch per plane by the first threads), so
 // that the staging of later blocks reads L2 instead of DRAM. Blocks start in about launch
 // order, one per SM, so with ahead about a wave of blocks the rows arrive while this block
-// computes (BENCHMARKS.md, "roi_align band forward: the next wave's bands into L2"). Rows are
+// computes. Rows are
 // rounded inwards to 16 bytes, as the bulk prefetch needs; a hint only, on sm_90 and later.
 // The row of blocks a split adds (split_last_group) lies past the last group of channels, so
 // nothing is asked for it: its blocks stage the bands the last group's blocks staged before.
@@ -684,9 +687,8 @@ __device__ __forceinline__ void prefetch_later_band(
   const int64_t group = later / gridDim.x;
   if (group >= gridDim.y || key >= discard) return;
   // the later block's key and list length, read by one lane and handed to the warp by a
-  // shuffle: read by every lane, the kernel's item loop compiled with a WARPSYNC.ALL before
-  // each item's swap shuffles and ran 2.1-2.5 µs (7x7) and 13.0-13.5 µs (14x14) slower (BENCHMARKS.md,
-  // "roi_align band forward: the keys ranked by the grouping, the prefetch's key read by one lane")
+  // shuffle: read by every lane, they make the compiler put a WARPSYNC.ALL before each item's
+  // swap shuffles in the kernel's item loop
   int32_t later_key = static_cast<int32_t>(key), n = 0;
   if (threadIdx.x % 32 == 0) {
     if (group >= heavy_from) {
@@ -714,14 +716,12 @@ __device__ __forceinline__ void prefetch_later_band(
 #endif
 }
 
-// Threads of a block of roi_align_band_forward_rotated_kernel (one block per SM): float32 768,
-// up to 80 registers a thread, 0.3-1.5 µs faster than 1024 at 64 (896 and 640 were slower:
-// BENCHMARKS.md, "roi_align band forward: no band inside the one before it, 768 threads");
-// 16-bit maps 512, whose lanes at sampling ratio 2 hold the sums of a bin's sixteen channels
-// and take 128 registers without spilling (at 768 or 1024 threads they spill and are slower:
-// BENCHMARKS.md, "roi_align 16-bit band forward: sixteen channels per staged pixel").
+// Threads of a block of roi_align_band_forward_swizzled_kernel (one block per SM): float32 768,
+// up to 80 registers a thread (the fastest of 640 to 1024); 16-bit maps 512, whose lanes at
+// sampling ratio 2 hold the sums of a bin's sixteen channels and take 128 registers without
+// spilling (at 768 or 1024 threads they spill).
 template <typename scalar_t>
-struct RotatedForwardThreads : std::integral_constant<int, sizeof(scalar_t) == 4 ? 768 : 512> {};
+struct SwizzledForwardThreads : std::integral_constant<int, sizeof(scalar_t) == 4 ? 768 : 512> {};
 
 // The 16-byte half pixel at a shared address as float: four float32 channels, or eight 16-bit
 // ones unpacked from their words (bfloat16 by a shift or a mask, float16 by conversions).
@@ -795,7 +795,7 @@ struct PixelPairs<float, N> {
 // other half is at its address ^ 16: static shared variables would come before the window and
 // shift it, so the kernel declares none.
 template <typename scalar_t, int G, int kThreads>
-__global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kernel(
+__global__ void __launch_bounds__(kThreads) roi_align_band_forward_swizzled_kernel(
     const scalar_t* __restrict__ input, const BandTap<float>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
     BandPlan plan, int32_t discard, scalar_t* __restrict__ output, int ahead, int list_cap, int heavy_from,
@@ -814,9 +814,8 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
   const bool second_half = static_cast<int>(blockIdx.y) == groups;
   // The block's key: its column, or in the rows from heavy_from on (the last to start, none of
   // them in the first wave), the key with the blockIdx.x-th longest list, so that the longest
-  // of them start first: heavy_first[blockIdx.x], with its list, as the grouping ranked them
-  // (BENCHMARKS.md, "roi_align band forward: the last rows' keys heaviest first"). The discard
-  // key's column keeps its place.
+  // of them start first: heavy_first[blockIdx.x], with its list, as the grouping ranked them.
+  // The discard key's column keeps its place.
   int32_t key = static_cast<int32_t>(blockIdx.x);
   const bool heavy = static_cast<int>(blockIdx.y) >= heavy_from && key < discard;
   KeyList heavy_list{key, 0, 0};
@@ -935,7 +934,7 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
   const int pw_n = sh.pooled_width;
   const int plane_bins = sh.pooled_height * pw_n;  // at most 64 x 64
   const uint32_t band = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int32_t pitch = plan.stride * kRotatedPixelBytes;  // bytes per staged row
+  const int32_t pitch = plan.stride * kSwizzledPixelBytes;  // bytes per staged row
   const int place = (lane >> 1) & 3;  // the bin's place in its load phase
   const int32_t* const list = rows + blk.first_row;
   // The block's first list_cap list entries in shared memory after the band, so that each item
@@ -960,13 +959,12 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
     // ratio 2 the pair splits the bin's sample rows instead of its channels: lane h takes sample
     // row h with all kPixel channels, each of its sample's four loads reading the 16-byte half h
     // of its pixel and then the other half (the address ^ 16), and the pair swaps the other
-    // half's sums at the end, one shuffle per channel. The rotation, addresses and weights of a
-    // sample then serve kPixel channels instead of kLane (14% fewer instructions at 7x7 in
-    // float32; 16-bit maps' lanes hold sixteen sums, in blocks of 512 threads). A load
-    // phase still reads eight different 16-byte bank groups: at load k, lanes h of its four bins
-    // read slot place + k of half h, then of half 1 - h. Other ratios: lane h takes the channels
-    // of half h and every sample (BENCHMARKS.md, "roi_align band forward: a bin's sample rows
-    // split over its lane pair").
+    // half's sums at the end, one shuffle per channel. The swizzle's starting slot, the
+    // addresses and the weights of a sample then serve kPixel channels instead of kLane, fewer
+    // instructions per sample (16-bit maps' lanes hold sixteen sums, in blocks of 512 threads). A
+    // load phase still reads eight different 16-byte bank groups: at load k, lanes h of its four
+    // bins read slot place + k of half h, then of half 1 - h. Other ratios: lane h takes the
+    // channels of half h and every sample.
     constexpr bool kSplit = G == 2;
     const int32_t taps_per_roi = (sh.pooled_height + pw_n) * G;
     // output element of RoI k, bin (ph, pw) of this lane's first channel: k * per_roi + lane_out
@@ -1011,8 +1009,8 @@ __global__ void __launch_bounds__(kThreads) roi_align_band_forward_rotated_kerne
             // start o places along the cycle (lo, lo), (lo, hi), (hi, lo), (hi, hi)
             const int o = (place - 2 * ry - xlo) & 3;
             const bool ox = (o & 1) != 0, oy = (o & 2) != 0, oc = ox != oy;
-            const uint32_t col0 = static_cast<uint32_t>((ox ? xhi : xlo) * kRotatedPixelBytes);
-            const uint32_t col1 = static_cast<uint32_t>((ox ? xlo : xhi) * kRotatedPixelBytes);
+            const uint32_t col0 = static_cast<uint32_t>((ox ? xhi : xlo) * kSwizzledPixelBytes);
+            const uint32_t col1 = static_cast<uint32_t>((ox ? xlo : xhi) * kSwizzledPixelBytes);
             const float wx0 = ox ? xl : xh, wx1 = ox ? xh : xl;
             const uint32_t a0 = (oy ? rhi : rlo) + col0, a1 = (oc ? rhi : rlo) + col1;
             const uint32_t a2 = (oy ? rlo : rhi) + col0, a3 = (oc ? rlo : rhi) + col1;
@@ -1137,23 +1135,22 @@ __global__ void __launch_bounds__(kBandThreads) roi_align_band_backward_kernel(
   }
 }
 
-// Backward into float32 bands of eight interleaved channel planes, the forward's rotated
+// Backward into float32 bands of eight interleaved channel planes, the forward's swizzled
 // layout, for gradients of float32 or of a 16-bit type (read as float32: the band and the sums
 // are float32 in every case): two lanes take a bin, one per half of its eight
 // channels, and add its samples' pixels in the cyclic order that puts the four bins of a load
 // phase on four different 32-byte slots. A lane's four channels of one pixel are four adds;
 // the s-th goes to channel (s + p) mod 4 of its half, p the lane's phase in the warp, so that
 // the four phases of a warp hit different banks as well: every warp-wide add touches 32
-// different banks and takes one round of the shared-memory add (against about 3.2 rounds in
-// roi_align_band_backward_kernel, BENCHMARKS.md, "roi_align backward without shared-memory
-// atomics").
+// different banks and takes one round of the shared-memory add (roi_align_band_backward_kernel's
+// adds of unrelated pixels conflict).
 // kSliced (bands without overlap, sliced_plan): the block's list holds every bin row whose
 // sample rows touch its rows, and it adds only the pixels of its own rows; it then stores every
 // row in the gradient's type (grad_input is of scalar_t). Else (the forward's overlapping
 // bands): rows two bands stage are added to a float32 grad_input with global atomics, and
 // pixels past the window are left to band_tail_backward_kernel.
 template <typename scalar_t, int G, bool kSliced = false>
-__global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rotated_kernel(
+__global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_swizzled_kernel(
     const scalar_t* __restrict__ grad, const BandTap<float>* __restrict__ taps,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ rows, BandShape sh,
     BandPlan plan, std::conditional_t<kSliced, scalar_t, float>* __restrict__ grad_input) {
@@ -1169,7 +1166,7 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rota
   const int64_t plane_size = static_cast<int64_t>(sh.height) * sh.width;
   const int64_t bins = static_cast<int64_t>(sh.pooled_height) * pw_n;
   const uint32_t band = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int32_t pitch = plan.stride * kRotatedPixelBytes;
+  const int32_t pitch = plan.stride * kSwizzledPixelBytes;
   const int lane = static_cast<int>(threadIdx.x % 32), half = lane & 1;
   const int place = (lane >> 1) & 3, phase = (lane >> 3) & 3;
   const int warps = static_cast<int>(blockDim.x / 32);
@@ -1222,8 +1219,8 @@ __global__ void __launch_bounds__(kWideBandThreads) roi_align_band_backward_rota
           const float xl = tx[ix].l, xh = tx[ix].h();
           const int o = (place - 2 * ry - xlo) & 3;
           const bool ox = (o & 1) != 0, oy = (o & 2) != 0, oc = ox != oy;
-          const uint32_t col0 = static_cast<uint32_t>((ox ? xhi : xlo) * kRotatedPixelBytes);
-          const uint32_t col1 = static_cast<uint32_t>((ox ? xlo : xhi) * kRotatedPixelBytes);
+          const uint32_t col0 = static_cast<uint32_t>((ox ? xhi : xlo) * kSwizzledPixelBytes);
+          const uint32_t col1 = static_cast<uint32_t>((ox ? xlo : xhi) * kSwizzledPixelBytes);
           const float wx0 = ox ? xl : xh, wx1 = ox ? xh : xl;
           // the four pixels in the phase's order: (row is hi, address, weight)
           const bool hi_t[4] = {oy, oc, !oy, !oc};
@@ -1364,55 +1361,54 @@ BandPlan band_plan(int64_t height, int64_t width, int64_t elem_bytes, int64_t bu
 
 // Rows of 32-byte pixels that a block's shared memory holds for a plane `width` wide, in rows
 // of `stride` pixels (2 mod 4), or 0 where fewer than 16 fit.
-int64_t rotated_rows(int64_t width, int64_t& stride) {
+int64_t swizzled_rows(int64_t width, int64_t& stride) {
   if (width <= 0 || width > (1 << 20)) return 0;
   stride = width + (6 - width % 4) % 4;
-  const int64_t fit = plane_band::band_budget(1 << 30, 0) / (stride * kRotatedPixelBytes);
+  const int64_t fit = plane_band::band_budget(1 << 30, 0) / (stride * kSwizzledPixelBytes);
   return fit < 16 ? 0 : fit;
 }
 
 // Bands of `core` + `overlap` rows of 32-byte pixels, rows `stride` pixels apart, for a plane
 // `height` rows tall: the fewest whose last window reaches row `height`. With overlap, a band
 // whose rows would all lie inside the window before it has no blocks: its bin rows belong to
-// that last band (band_taps_kernel), which holds them whole (BENCHMARKS.md, "roi_align band
-// forward: no band inside the one before it, 768 threads").
-BandPlan rotated_bands(int64_t height, int64_t stride, int64_t core, int64_t overlap) {
+// that last band (band_taps_kernel), which holds them whole.
+BandPlan swizzled_bands(int64_t height, int64_t stride, int64_t core, int64_t overlap) {
   BandPlan p;
   p.stride = static_cast<int>(stride);
   p.core = static_cast<int>(core);
   p.overlap = static_cast<int>(overlap);
   p.bands = static_cast<int>(cuda::ceil_div(std::max<int64_t>(height - overlap, 1), core));
-  p.smem_bytes = (core + overlap) * stride * kRotatedPixelBytes;
+  p.smem_bytes = (core + overlap) * stride * kSwizzledPixelBytes;
   return p;
 }
 
-// The band plan of roi_align_band_forward_rotated_kernel for an H x W plane: 32-byte pixels
+// The band plan of roi_align_band_forward_swizzled_kernel for an H x W plane: 32-byte pixels
 // in rows of 2 mod 4 pixels, as many rows as a block's shared memory holds. The overlap holds
 // the bin rows of RoIs up to half the map's height wherever they start (their sample rows span
 // about H / 2 / pooled_height * (grid - 1) / grid + 2 pixel rows: 10 for 7x7 bins of a
 // 200-row map, 6 for 14x14 ones), at most 3/8 of the rows; taller bin rows read global memory.
 // Not ok where the bands would hold fewer than 16 rows, or the batch's bands overflow the keys.
-BandPlan rotated_plan(int64_t batch, int64_t height, int64_t width, int64_t pooled_height, int64_t grid) {
+BandPlan swizzled_plan(int64_t batch, int64_t height, int64_t width, int64_t pooled_height, int64_t grid) {
   int64_t stride = 0;
-  const int64_t fit = height > 0 ? rotated_rows(width, stride) : 0;
+  const int64_t fit = height > 0 ? swizzled_rows(width, stride) : 0;
   if (fit == 0) return BandPlan{};
   const int64_t rows = std::min<int64_t>(fit, height);
   const int64_t span = cuda::ceil_div(height * (grid - 1), 2 * pooled_height * grid) + 2;
   const int64_t overlap = rows >= height ? 0 : std::clamp<int64_t>(span - 1, 1, rows * 3 / 8);
-  BandPlan p = rotated_bands(height, stride, rows - overlap, overlap);
+  BandPlan p = swizzled_bands(height, stride, rows - overlap, overlap);
   p.ok = batch * p.bands < (int64_t{1} << 30);
   return p;
 }
 
-// The band plan of the sliced float32 backward (roi_align_band_backward_rotated_kernel with
-// kSliced) for an H x W plane: the rotated layout (32-byte pixels in rows of 2 mod 4 pixels),
+// The band plan of the sliced float32 backward (roi_align_band_backward_swizzled_kernel with
+// kSliced) for an H x W plane: the swizzled layout (32-byte pixels in rows of 2 mod 4 pixels),
 // bands without overlap of about equal height, as many rows as a block's shared memory holds.
 // A bin row is listed in every band its sample rows touch, so the lists take up to
 // bin_rows * bands entries. Not ok where the bands would hold fewer than 16 rows, a map has
 // more than 255 bands, or the lists would overflow int32.
 BandPlan sliced_plan(int64_t batch, int64_t channels, int64_t height, int64_t width, int64_t bin_rows) {
   int64_t stride = 0;
-  const int64_t fit = height > 0 ? rotated_rows(width, stride) : 0;
+  const int64_t fit = height > 0 ? swizzled_rows(width, stride) : 0;
   if (fit == 0) return BandPlan{};
   // The fewest bands that fit, or up to three more where the blocks then fill the GPU's last
   // wave better: a block's time taken as proportional to its rows, the kernel's to the waves
@@ -1424,15 +1420,15 @@ BandPlan sliced_plan(int64_t batch, int64_t channels, int64_t height, int64_t wi
   for (int64_t n = fewest; n <= fewest + 3 && n <= height; ++n) {
     const int64_t rows = cuda::ceil_div(height, n);
     const int64_t per_sm = std::max<int64_t>(1, static_cast<int64_t>(props->sharedMemPerMultiprocessor) /
-                                                    (rows * stride * kRotatedPixelBytes + 1024));
-    const int64_t blocks = batch * n * cuda::ceil_div(channels, channels_per_block(batch * n, channels, kRotatedPixelBytes / 4));
+                                                    (rows * stride * kSwizzledPixelBytes + 1024));
+    const int64_t blocks = batch * n * cuda::ceil_div(channels, channels_per_block(batch * n, channels, kSwizzledPixelBytes / 4));
     const double cost = static_cast<double>(cuda::ceil_div(blocks, per_sm * props->multiProcessorCount)) * rows;
     if (n == fewest || cost < best) {
       best = cost;
       bands = n;
     }
   }
-  BandPlan p = rotated_bands(height, stride, cuda::ceil_div(height, bands), 0);
+  BandPlan p = swizzled_bands(height, stride, cuda::ceil_div(height, bands), 0);
   p.ok = p.bands <= 255 && batch * p.bands < (int64_t{1} << 30) && bin_rows * p.bands < (int64_t{1} << 31) - 1;
   return p;
 }
@@ -1443,36 +1439,6 @@ double reads_per_pixel(
     int64_t pooled_width, int64_t sampling_ratio) {
   return static_cast<double>(num_rois) * pooled_height * pooled_width * sampling_ratio * sampling_ratio * 4 /
       (static_cast<double>(batch) * height * width);
-}
-
-// Whether the band kernels take these shapes and RoIs (on top of roi_kernel()). Under kAuto,
-// measured on an H200 (BENCHMARKS.md): the band backward beats the atomic scatter once the
-// samples read about as many pixels as the maps hold; the band forward beats the tiled gather
-// when the samples read each pixel several times over and the maps outgrow L2 (the gather's
-// repeated sectors then come from DRAM), or, for maps that take the conflict-free kernel
-// (float32 and 16-bit ones), from about 11 MiB of maps on.
-bool band_applies(
-    bool forward, int64_t batch, int64_t channels, int64_t height, int64_t width,
-    int64_t num_rois, int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
-    int64_t elem_bytes, bool input_nchw) {
-  const RoIKernel choice = roi_kernel();
-  if (choice == RoIKernel::kGather || !input_nchw) return false;
-  if (sampling_ratio < 1 || sampling_ratio > kMaxBandGrid) return false;
-  if (num_rois <= 0 || channels <= 0 || pooled_height > 64 || pooled_width > 64) return false;
-  if (height >= (int64_t{1} << 30) || width >= (int64_t{1} << 30)) return false;
-  if (num_rois * pooled_height >= (int64_t{1} << 30)) return false;
-  // list entries (k << kRowShift) | ph fit in int32
-  if (num_rois >= (int64_t{1} << (31 - plane_band::kRowShift))) return false;
-  const BandPlan plan = band_plan(height, width, elem_bytes);
-  if (!plan.ok || batch * plan.bands >= (int64_t{1} << 30)) return false;
-  if (choice == RoIKernel::kBand) return true;
-  const double reads =
-      reads_per_pixel(batch, height, width, num_rois, pooled_height, pooled_width, sampling_ratio);
-  if (!forward) return reads >= 1.0;
-  const bool rotated = (elem_bytes == 4 || elem_bytes == 2) &&
-      rotated_plan(batch, height, width, pooled_height, sampling_ratio).ok;
-  const double pixels = static_cast<double>(batch) * height * width;
-  return reads >= 4.0 && pixels * channels * elem_bytes >= (rotated ? 10.0 : 48.0) * (1 << 20);
 }
 
 // The taps and the owners' lists of bin rows (band_taps_kernel, plane_band::group_by_owner),
@@ -1520,8 +1486,7 @@ BandSetup setup_bands(
   s.heavy_first = heavy_first ? reinterpret_cast<KeyList*>(counts + s.num_keys + 2 + rank_ints) : nullptr;
   s.tall = reinterpret_cast<uint8_t*>(keys + index_ints);
   // launched early: its launch does not wait for the kernel before it to end, so it starts as
-  // that kernel ends, 1-2 µs sooner back to back (BENCHMARKS.md, "roi_align band setup launched
-  // early")
+  // that kernel ends
   plane_band::launch_early(
       band_taps_kernel<acc_t, roi_t>, plane_band::early_launch_supported(), dim3(taps_blocks), kRankThreads, 0, stream,
       num_rois, rois.const_data_ptr<roi_t>(), batch, static_cast<int>(height),
@@ -1563,7 +1528,7 @@ int64_t blocks_per_sm(size_t smem, int threads) {
       props->maxThreadsPerMultiProcessor / threads));
 }
 
-// Whether the conflict-free band forward's blocks of the last group of channels each take part of
+// Whether the swizzled band forward's blocks of the last group of channels each take part of
 // their key's list (about 5/8), the rest going to a row of blocks added to the grid: where the grid
 // holds two waves of blocks or more, so that the blocks that start last end sooner, for the
 // price of staging their bands twice (and where the grid has a row to spare).
@@ -1584,39 +1549,87 @@ void with_grid(int64_t grid, F&& f) {
 
 }  // namespace
 
-bool roi_align_forward_band(
-    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& output) {
+bool roi_align_band_takes(const RoIAlignShape& s, int64_t staged_bytes) {
+  if (s.sampling_ratio < 1 || s.sampling_ratio > kMaxBandGrid) return false;
+  if (s.num_rois <= 0 || s.channels <= 0 || s.pooled_height > 64 || s.pooled_width > 64) return false;
+  if (s.height >= (int64_t{1} << 30) || s.width >= (int64_t{1} << 30)) return false;
+  if (s.num_rois * s.pooled_height >= (int64_t{1} << 30)) return false;
+  // list entries (k << kRowShift) | ph fit in int32
+  if (s.num_rois >= (int64_t{1} << (31 - plane_band::kRowShift))) return false;
+  const BandPlan plan = band_plan(s.height, s.width, staged_bytes);
+  return plan.ok && s.batch * plan.bands < (int64_t{1} << 30);
+}
+
+// The band backward beats the atomic scatter once the samples read about as many pixels as the
+// maps hold.
+bool roi_align_band_backward_pays(const RoIAlignShape& s) {
+  return reads_per_pixel(s.batch, s.height, s.width, s.num_rois, s.pooled_height, s.pooled_width,
+                         s.sampling_ratio) >= 1.0;
+}
+
+// The band forward beats the tiled gather when the samples read each pixel several times over
+// and the maps outgrow L2 (the gather's repeated sectors then come from DRAM), or, for maps
+// that take the swizzled kernel (float32 and 16-bit ones), from about 11 MiB of maps on.
+bool roi_align_band_forward_pays(const RoIAlignShape& s) {
+  const int64_t elem_bytes = static_cast<int64_t>(at::elementSize(s.dtype));
+  const double reads = reads_per_pixel(
+      s.batch, s.height, s.width, s.num_rois, s.pooled_height, s.pooled_width, s.sampling_ratio);
+  const bool swizzled = (elem_bytes == 4 || elem_bytes == 2) &&
+      swizzled_plan(s.batch, s.height, s.width, s.pooled_height, s.sampling_ratio).ok;
+  const double pixels = static_cast<double>(s.batch) * s.height * s.width;
+  return reads >= 4.0 && pixels * s.channels * elem_bytes >= (swizzled ? 10.0 : 48.0) * (1 << 20);
+}
+
+// float32 and 16-bit maps whose bands of 32-byte pixels hold 16 rows or more. The kernel finds a
+// RoI's outputs by 32-bit products: (channels + 8 or 16) x bins below 2^31, the 8 or 16 (a
+// staged pixel's channels) for the lanes past a last, partial group of channels.
+bool roi_align_band_forward_swizzled_takes(const RoIAlignShape& s) {
+  if (s.dtype != at::kFloat && at::elementSize(s.dtype) != 2) return false;
+  const int64_t pixel_channels = kSwizzledPixelBytes / static_cast<int64_t>(at::elementSize(s.dtype));
+  return (s.channels + pixel_channels) * s.pooled_height * s.pooled_width < (int64_t{1} << 31) &&
+      swizzled_plan(s.batch, s.height, s.width, s.pooled_height, s.sampling_ratio).ok;
+}
+
+// Gradients accumulated in float32 (of float32, float16 or bfloat16) whose maps' bands of 32-byte
+// pixels hold 16 rows or more.
+bool roi_align_band_backward_swizzled_takes(const RoIAlignShape& s) {
+  return at::toOpMathType(s.dtype) == at::kFloat &&
+      swizzled_plan(s.batch, s.height, s.width, s.pooled_height, s.sampling_ratio).ok;
+}
+
+// Swizzled bands without overlap where sliced_plan allows: for 16-bit gradients always (no
+// float32 buffer to convert), for float32 ones where two overlapping bands would share at least
+// half of each band's rows, which they add with global atomics (with fewer shared rows the
+// overlapping bands are faster).
+bool roi_align_band_backward_sliced_takes(const RoIAlignShape& s) {
+  if (at::toOpMathType(s.dtype) != at::kFloat) return false;
+  const BandPlan overlapping = swizzled_plan(s.batch, s.height, s.width, s.pooled_height, s.sampling_ratio);
+  const bool shared_half = 4 * overlapping.overlap >= overlapping.core + overlapping.overlap;
+  return (s.dtype != at::kFloat || shared_half) &&
+      sliced_plan(s.batch, s.channels, s.height, s.width, s.num_rois * s.pooled_height).ok;
+}
+
+void roi_align_band_forward(
+    RoIAlignForwardKernel which, const at::Tensor& input, const at::Tensor& rois, double spatial_scale,
+    int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& output) {
+  TORCH_INTERNAL_ASSERT(which == RoIAlignForwardKernel::kBandSwizzled || which == RoIAlignForwardKernel::kBand);
+  const bool swizzled = which == RoIAlignForwardKernel::kBandSwizzled;
   const int64_t batch = input.size(0), channels = input.size(1);
   const int64_t height = input.size(2), width = input.size(3);
-  if (!band_applies(true, batch, channels, height, width, rois.size(0), pooled_height,
-                    pooled_width, sampling_ratio, input.element_size(), input.is_contiguous())) {
-    return false;
-  }
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "detops.roi_align", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    // float32 and 16-bit maps whose bands of 32-byte pixels hold 16 rows or more: the
-    // conflict-free kernel (BENCHMARKS.md, "roi_align band forward without bank conflicts";
-    // for 16-bit maps, sixteen channels a pixel, "roi_align 16-bit band forward: sixteen
-    // channels per staged pixel"). Otherwise channels per staged pixel (BENCHMARKS.md,
-    // "roi_align band forward"): four (16 bytes of float, 8 of half or bfloat16), two of
-    // double; fewer where a band would hold too few rows. Float bins as tall as 7x7 ones or
-    // taller get bands of twice the shared memory, in blocks of kWideBandThreads (one per SM):
-    // in bands of 16-byte pixels more of their bin rows would reach past the window and read
-    // global memory.
-    // (the rotated kernel finds a RoI's outputs by 32-bit products: (channels + 8 or 16) x bins
-    // below 2^31, the 8 or 16 (a staged pixel's channels) for the lanes past a last, partial
-    // group of channels)
-    constexpr int64_t kPixelChannels = kRotatedPixelBytes / static_cast<int64_t>(sizeof(scalar_t));
-    BandPlan plan = (std::is_same_v<scalar_t, float> || sizeof(scalar_t) == 2) &&
-            (channels + kPixelChannels) * pooled_height * pooled_width < (int64_t{1} << 31)
-        ? rotated_plan(batch, height, width, pooled_height, sampling_ratio)
-        : BandPlan{};
-    const bool rotated = plan.ok;
-    int nc = rotated ? static_cast<int>(kPixelChannels) : sizeof(scalar_t) == 8 ? 2 : 4;
-    bool wide = !rotated && sizeof(scalar_t) == 4 && pooled_height <= 7;
-    if (!rotated) {
+    // Swizzled: 32-byte staged pixels of eight float32 or sixteen 16-bit channels. Otherwise
+    // channels per staged pixel: four (16 bytes of float, 8 of half or bfloat16), two of double;
+    // fewer where a band would hold too few rows, so that one list entry, one set of taps and one
+    // shared load serve several channels. Float bins as tall as 7x7 ones or taller get bands of
+    // twice the shared memory, in blocks of kWideBandThreads (one per SM): in bands of 16-byte
+    // pixels more of their bin rows would reach past the window and read global memory.
+    constexpr int64_t kPixelChannels = kSwizzledPixelBytes / static_cast<int64_t>(sizeof(scalar_t));
+    BandPlan plan = swizzled ? swizzled_plan(batch, height, width, pooled_height, sampling_ratio) : BandPlan{};
+    int nc = swizzled ? static_cast<int>(kPixelChannels) : sizeof(scalar_t) == 8 ? 2 : 4;
+    bool wide = !swizzled && sizeof(scalar_t) == 4 && pooled_height <= 7;
+    if (!swizzled) {
       plan = band_plan(height, width, nc * input.element_size(), wide ? 2 * kBandBudget : kBandBudget);
       while (nc > 1 && (!plan.ok || nc > channels)) {
         nc /= 2;
@@ -1624,16 +1637,16 @@ bool roi_align_forward_band(
         plan = band_plan(height, width, nc * input.element_size());
       }
     }
+    TORCH_INTERNAL_ASSERT(!swizzled || (sizeof(scalar_t) <= 4 && plan.ok), "detops.roi_align: no swizzled band plan");
     const BandSetup s = setup_bands<acc_t, scalar_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
         spatial_scale, plan, stream, nc,
         static_cast<int>(roi_checks::RoIOp::kRoIAlign),  // the caller leaves the batch-index check to the setup
-        /*in_order=*/rotated);  // the rotated kernel's sums follow the list order: the same lists, the same bits
+        /*in_order=*/swizzled);  // the swizzled kernel's sums follow the list order: the same lists, the same bits
     // one more column of blocks: those of the discard key, which write its bins' zeros
     dim3 grid(s.grid.x + 1, s.grid.y);
     // Launched early (plane_band::launch_early): the blocks of the first wave, which start while
-    // the grouping runs, stage their first band meanwhile (BENCHMARKS.md, "roi_align band
-    // forward: the first wave staged during the grouping").
+    // the grouping runs, stage their first band meanwhile.
     const bool early = plane_band::early_launch_supported();
     const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
     auto launch = [&](auto kernel, int threads, size_t smem, auto... more) {
@@ -1648,27 +1661,23 @@ bool roi_align_forward_band(
     with_grid(sampling_ratio, [&](auto g) {
       constexpr int G = decltype(g)::value;
       if constexpr (sizeof(scalar_t) <= 4) {
-        if (rotated) {
+        if (swizzled) {
           // Each block asks L2 for the band of the block three quarters of a wave after it
           // where a block's staging takes about as long as its computation: up to about 16
-          // samples' pixels per map pixel (6.6 at 7x7 on the benchmark: kernel 136-142 ->
-          // 119-123 µs). With more samples the computation outlasts the staging and the
-          // prefetched rows wait in L2 long enough to be evicted (26 at 14x14: no faster, 50-80
-          // MB more read from DRAM). BENCHMARKS.md, "roi_align band forward: the next wave's
-          // bands into L2".
+          // samples' pixels per map pixel. With more samples the computation outlasts the
+          // staging and the prefetched rows would wait in L2 long enough to be evicted.
           const double reads = reads_per_pixel(
               batch, height, width, rois.size(0), pooled_height, pooled_width, sampling_ratio);
           const int ahead = reads <= 16.0 ? 3 * props->multiProcessorCount / 4 : 0;
           // The shared memory left after the band, as far as the SM still holds as many blocks,
           // holds the start of a block's list; the last group's blocks are split where the grid
-          // has two waves or more (BENCHMARKS.md, "roi_align band forward: lists in shared
-          // memory, the last blocks split").
-          constexpr int kThreads = RotatedForwardThreads<scalar_t>::value;
+          // has two waves or more.
+          constexpr int kThreads = SwizzledForwardThreads<scalar_t>::value;
           const int64_t per_sm = blocks_per_sm(s.smem, kThreads);
           const int64_t room = std::min<int64_t>(
               plane_band::band_budget(1 << 30, 0),
               static_cast<int64_t>(props->sharedMemPerMultiprocessor) / per_sm - 1024) - static_cast<int64_t>(s.smem);
-          const int64_t list_bytes = std::clamp<int64_t>(room, 0, kRotatedListBytes) / 16 * 16;
+          const int64_t list_bytes = std::clamp<int64_t>(room, 0, kSwizzledListBytes) / 16 * 16;
           const bool split = split_last_group(grid, per_sm * props->multiProcessorCount);
           if (split) grid.y += 1;
           const int list_ints = static_cast<int>(list_bytes / 4);
@@ -1677,18 +1686,13 @@ bool roi_align_forward_band(
           // Where the last group is split, its row, the split row and the row before them take
           // their keys heaviest first (the last blocks to start then are the lightest), as far
           // as the grouping ranked the keys (at most kMaxHeavyFirstKeys) and none of those rows
-          // is in the first wave, whose blocks stage their band before the lists exist. float32
-          // 14x14 3.6 µs faster, 7x7 no faster; from more rows on, slower. Split 5/8 and 3/8,
-          // bfloat16 7x7 1.8 µs faster (BENCHMARKS.md, "roi_align band forward: the last rows'
-          // keys heaviest first"); with the keys ranked once by the grouping rather than by each
-          // block, float32 7x7 about 1 µs faster ("roi_align band forward: the keys ranked by
-          // the grouping, the prefetch's key read by one lane").
+          // is in the first wave, whose blocks stage their band before the lists exist.
           int heavy_from = static_cast<int>(grid.y);
           if (split && s.heavy_first != nullptr) {
             const int64_t from = static_cast<int64_t>(grid.y) - 3;
             if (from >= 1 && from * grid.x >= (early ? wave : 0)) heavy_from = static_cast<int>(from);
           }
-          launch(roi_align_band_forward_rotated_kernel<scalar_t, G, kThreads>, kThreads, smem, ahead, list_ints,
+          launch(roi_align_band_forward_swizzled_kernel<scalar_t, G, kThreads>, kThreads, smem, ahead, list_ints,
                  heavy_from, static_cast<const KeyList*>(s.heavy_first));
           return;
         }
@@ -1712,50 +1716,39 @@ bool roi_align_forward_band(
       }
     });
   });
-  return true;
 }
 
-bool roi_align_backward_band(
-    const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, int64_t sampling_ratio, bool aligned, int64_t batch, int64_t channels,
-    int64_t height, int64_t width, at::Tensor& grad_input) {
+at::Tensor roi_align_band_backward(
+    RoIAlignBackwardKernel which, const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
+    int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio, bool aligned, int64_t batch,
+    int64_t channels, int64_t height, int64_t width) {
+  TORCH_INTERNAL_ASSERT(
+      which == RoIAlignBackwardKernel::kBandSliced || which == RoIAlignBackwardKernel::kBandSwizzled ||
+      which == RoIAlignBackwardKernel::kBand);
   const at::ScalarType acc_type = at::toOpMathType(grad.scalar_type());
-  if (!band_applies(false, batch, channels, height, width, rois.size(0), pooled_height,
-                    pooled_width, sampling_ratio, at::elementSize(acc_type), true)) {
-    return false;
-  }
+  const bool swizzled = which == RoIAlignBackwardKernel::kBandSwizzled;
+  TORCH_INTERNAL_ASSERT(which == RoIAlignBackwardKernel::kBand || acc_type == at::kFloat);
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor g = grad.contiguous();
+  at::Tensor grad_input;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "detops._roi_align_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    // Gradients accumulated in float32 (float32, float16 and bfloat16 ones) of maps whose bands
-    // of 32-byte pixels hold 16 rows or more: the conflict-free backward (BENCHMARKS.md,
-    // "roi_align band backward without bank conflicts"), in bands without overlap where
-    // sliced_plan allows (BENCHMARKS.md, "roi_align band backward in bands without overlap"),
-    // else in the forward's overlapping bands through a float32 buffer. float64 ones, and maps
-    // too wide for those bands, one channel at a time in overlapping bands.
-    const BandPlan rplan = std::is_same_v<acc_t, float>
-        ? rotated_plan(batch, height, width, pooled_height, sampling_ratio)
-        : BandPlan{};
+    // Sliced: swizzled bands without overlap, each storing its own rows in grad's dtype.
+    // Otherwise the forward's overlapping bands (swizzled, or one channel at a time) into a
+    // buffer of acc_t, whose rows two bands stage are zeroed first and added with global atomics.
     if constexpr (std::is_same_v<acc_t, float>) {
-      // 16-bit gradients always (no float32 buffer to convert); float32 ones where two
-      // overlapping bands would add at least half of each band's rows with global atomics (16
-      // of 23 for the benchmark's 7x7 bins, where the sliced backward measured 12% faster; it
-      // measured 5% slower at 14x14, where 10 of 23 rows are shared).
-      const bool shared_half = 4 * rplan.overlap >= rplan.core + rplan.overlap;
-      const BandPlan splan = !std::is_same_v<scalar_t, float> || shared_half
-          ? sliced_plan(batch, channels, height, width, rois.size(0) * pooled_height)
-          : BandPlan{};
-      if (splan.ok) {
+      if (which == RoIAlignBackwardKernel::kBandSliced) {
+        const BandPlan splan = sliced_plan(batch, channels, height, width, rois.size(0) * pooled_height);
+        TORCH_INTERNAL_ASSERT(splan.ok, "detops._roi_align_backward: no sliced band plan");
         const BandSetup s = setup_bands<acc_t, scalar_t>(
             rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
-            aligned, spatial_scale, splan, stream, kRotatedPixelBytes / static_cast<int>(sizeof(float)),
+            aligned, spatial_scale, splan, stream, kSwizzledPixelBytes / static_cast<int>(sizeof(float)),
             static_cast<int>(roi_checks::RoIOp::kRoIAlignBackward), /*in_order=*/false, /*spans=*/true);
         // every element stored by its band
         grad_input = cuda::empty_written({batch, channels, height, width}, grad.options());
         with_grid(sampling_ratio, [&](auto gc) {
           constexpr int G = decltype(gc)::value;
-          auto kernel = roi_align_band_backward_rotated_kernel<scalar_t, G, true>;
+          auto kernel = roi_align_band_backward_swizzled_kernel<scalar_t, G, true>;
           plane_band::allow_smem(kernel, static_cast<int64_t>(s.smem));
           kernel<<<s.grid, kWideBandThreads, s.smem, stream>>>(
               g.const_data_ptr<scalar_t>(), s.tap_ptr<acc_t>(), s.offsets(), s.rows(), s.shape, s.plan,
@@ -1765,12 +1758,13 @@ bool roi_align_backward_band(
         return;
       }
     }
+    const BandPlan rplan = swizzled ? swizzled_plan(batch, height, width, pooled_height, sampling_ratio) : BandPlan{};
+    TORCH_INTERNAL_ASSERT(!swizzled || rplan.ok, "detops._roi_align_backward: no swizzled band plan");
     at::Tensor acc = at::empty({batch, channels, height, width}, grad.options().dtype(acc_type));
-    const bool rotated = rplan.ok;
     const BandSetup s = setup_bands<acc_t, scalar_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
-        aligned, spatial_scale, rotated ? rplan : band_plan(height, width, sizeof(acc_t)), stream,
-        rotated ? kRotatedPixelBytes / static_cast<int>(sizeof(float)) : 1,
+        aligned, spatial_scale, swizzled ? rplan : band_plan(height, width, sizeof(acc_t)), stream,
+        swizzled ? kSwizzledPixelBytes / static_cast<int>(sizeof(float)) : 1,
         static_cast<int>(roi_checks::RoIOp::kRoIAlignBackward));  // as in the forward
     // Rows two bands stage start at zero; every other row is stored by its band.
     plane_band::zero_shared_rows(acc.data_ptr<acc_t>(), batch * channels, height, width, s.plan, stream);
@@ -1785,8 +1779,8 @@ bool roi_align_backward_band(
     with_grid(sampling_ratio, [&](auto gc) {
       constexpr int G = decltype(gc)::value;
       if constexpr (std::is_same_v<acc_t, float>) {
-        if (rotated) {
-          launch(roi_align_band_backward_rotated_kernel<scalar_t, G>, kWideBandThreads);
+        if (swizzled) {
+          launch(roi_align_band_backward_swizzled_kernel<scalar_t, G>, kWideBandThreads);
           return;
         }
       }
@@ -1799,7 +1793,7 @@ bool roi_align_backward_band(
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     grad_input = acc.to(grad.scalar_type());  // acc itself where grad is float32 or float64
   });
-  return true;
+  return grad_input;
 }
 
 }  // namespace ops

@@ -42,30 +42,6 @@ __device__ __forceinline__ AxisTap<T> axis_tap(T v, int64_t size) {
   return tap;
 }
 
-// Contributions of each RoI to its grad_input (4 per sample), capped at `cap` so that a prefix
-// sum stays in range; 0 for a RoI with an invalid batch index. For the adaptive grid, where
-// the count differs per RoI.
-template <typename acc_t>
-__global__ void contribution_count_kernel(
-    int64_t num_rois, const acc_t* __restrict__ rois, int64_t batch, int64_t pooled_height,
-    int64_t pooled_width, acc_t scale, int64_t sampling_ratio, bool aligned, int64_t cap,
-    int64_t* __restrict__ counts) {
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < num_rois;
-       k += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    const acc_t* roi = rois + k * 5;
-    if (roi_align::roi_batch_index(roi[0], batch) < 0) {
-      counts[k] = 0;
-      continue;
-    }
-    const roi_align::RoIBins<acc_t> r =
-        bins_of(roi, scale, pooled_height, pooled_width, sampling_ratio, aligned);
-    // grid_h, grid_w <= 2^16: the product is exact.
-    const int64_t per_bin = r.grid_h * r.grid_w * 4;
-    const int64_t bins = pooled_height * pooled_width;
-    counts[k] = per_bin > 0 && bins > cap / per_bin ? cap : per_bin * bins;
-  }
-}
-
 }  // namespace roi_align_cuda
 }  // namespace ops
 }  // namespace detops

@@ -1,19 +1,21 @@
-// RoIPool (max) forward and backward on CUDA.
+// RoIPool (max) forward and backward on CUDA: the selection functions that pick a kernel for
+// each call (select_forward, select_backward), and the gather, atomic and deterministic kernels.
 //
-// Forward: dense RoIs (many bins per pixel of the map) go through shared-memory tiles with a
-// lane per channel (roi_pool_tile.cu). Otherwise the work is ordered channel by channel (all
-// RoIs of channel 0, then channel 1, ...), so the RoIs in flight read one or two feature
-// planes that stay in L2; two kernels, both reading the input through its strides (no copy)
-// and both giving the CPU kernel's results:
+// Forward (select_forward): dense RoIs (many bins per pixel of the map) go through
+// shared-memory tiles with a lane per channel (tile, roi_pool_tile.cu). Otherwise the work is
+// ordered channel by channel (all RoIs of channel 0, then channel 1, ...), so the RoIs in
+// flight read one or two feature planes that stay in L2; two kernels, both reading the input
+// through its strides (no copy) and both giving the CPU kernel's results:
 //   * rows (channel-first layouts such as NCHW): a warp per (block of 8 channels, RoI, bin
-//     row ph), which computes the RoI and bin geometry once for its channels. Its lanes split into groups of g lanes (a power of two sized to the bin width), one group
-//     per bin of the row; the lanes of a group read adjacent columns of the bin, so each
-//     load of a row reads a contiguous run of g values. A lane keeps the maximum of each of
-//     its columns over the bin's rows (first row on ties), folds its columns together, and
-//     the group combines its lanes with shuffles. Candidates combine by (larger value, then
-//     smaller row-major index h * W + w), which picks exactly the bin's first maximum in
-//     row-major order, as the sequential scan of roi_pool_max does; NaN never becomes a
-//     maximum and a bin without a value above roi_pool_lowest keeps index -1.
+//     row ph), which computes the RoI and bin geometry once for its channels. Its lanes split
+//     into groups of g lanes (a power of two sized to the bin width), one group per bin of the
+//     row; the lanes of a group read adjacent columns of the bin, so each load of a row reads a
+//     contiguous run of g values. A lane keeps the maximum of each of its columns over the
+//     bin's rows (first row on ties), folds its columns together, and the group combines its
+//     lanes with shuffles. Candidates combine by (larger value, then smaller row-major index
+//     h * W + w), which picks exactly the bin's first maximum in row-major order, as the
+//     sequential scan of roi_pool_max does; NaN never becomes a maximum and a bin without a
+//     value above roi_pool_lowest keeps index -1.
 //   * channels (channels_last): a warp per (group of 32 channels, RoI, bin row ph), a lane
 //     per channel; a load of one pixel reads 32 adjacent channels, and each lane runs the
 //     shared sequential scan (roi_pool_max) over each bin of the row.
@@ -22,17 +24,20 @@
 // argmax: the tile kernel then scans each bin once, tracking no row, and reads it again only
 // when its maximum is zero (roi_pool_tile.cu); nothing stores or transposes indices.
 //
-// Backward, two variants:
-//   * atomic (default): one thread per grad_output element adds it to the argmax pixel of
-//     grad_input with atomicAdd (into a float32 accumulator for float16 / bfloat16); empty
-//     bins (argmax -1) are skipped before anything else is read. The order of the additions,
-//     hence the rounding, varies.
+// Backward (select_backward):
 //   * deterministic (torch.use_deterministic_algorithms(True)): every grad_output element gets
 //     the key (b * C + c) * H * W + argmax of the pixel it feeds (a sentinel past the end for
 //     empty bins); a stable radix sort of the gradient values by key (over the key's bits
 //     only) groups the contributions of each pixel in RoI order, and one thread per group (its
 //     first element) sums the group's consecutive values and writes the pixel once.
 //     Bit-identical from run to run, with the same summation order as the CPU kernel.
+//   * band (dense RoIs on the map, roi_pool_band.cu): each block adds the gradients of its
+//     band of rows in shared memory and stores the band once.
+//   * atomic: one thread per grad_output element adds it to the argmax pixel of grad_input
+//     with atomicAdd (into a float32 accumulator for float16 / bfloat16); empty bins (argmax
+//     -1) are skipped before anything else is read.
+//   The band and atomic backwards add with atomics: the order of the additions, hence the
+//   rounding, varies from run to run.
 //
 // Index arithmetic is 32-bit when every flat index of the launch fits, 64-bit otherwise.
 // Batch indices are checked on the device (roi_checks.cuh) instead of with a host sync;
@@ -50,28 +55,16 @@
 #include <type_traits>
 
 #include "../common/checks.h"
+#include "../common/kernel_choice.h"
 #include "../common/roi_pool_entries.h"
 #include "../common/roi_pool_geometry.h"
 #include "cuda_helpers.h"
 #include "radix_sort.cuh"
 #include "roi_checks.cuh"
+#include "roi_pool_kernels.cuh"
 
 namespace detops {
 namespace ops {
-
-// roi_pool_tile.cu: the forward of dense RoIs through shared-memory tiles, a lane per channel
-// (it checks the batch indices itself); false for inputs it does not take (or roi_kernel()
-// rules out). An undefined argmax: the values alone.
-bool roi_pool_forward_tile(
-    const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
-    int64_t pooled_width, at::Tensor& output, at::Tensor& argmax);
-// roi_pool_band.cu: the backward of dense RoIs on NCHW maps through shared-memory plane
-// bands (it checks the batch indices itself): grad_input in grad's dtype, or an undefined
-// tensor when the band kernels do not take the inputs.
-at::Tensor roi_pool_backward_band(
-    const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
-    double spatial_scale, int64_t pooled_height, int64_t pooled_width, int64_t batch,
-    int64_t channels, int64_t height, int64_t width);
 
 namespace {
 
@@ -369,6 +362,30 @@ void launch_backward_atomic(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The forward's kernel for these shapes and layout; roi_kernel() (a test and benchmark
+// setting) forces the tile kernel on or off where it can take the shapes.
+RoIPoolForwardKernel select_forward(const at::Tensor& input, const RoIPoolShape& s) {
+  const RoIKernel choice = roi_kernel();
+  if (choice != RoIKernel::kGather && roi_pool_tile_takes(s) &&
+      (choice == RoIKernel::kBand || roi_pool_tile_pays(s))) {
+    return RoIPoolForwardKernel::kTile;
+  }
+  if (s.channels > 1 && input.stride(1) == 1) return RoIPoolForwardKernel::kChannels;  // channels_last
+  return RoIPoolForwardKernel::kRows;
+}
+
+// The backward's kernel: the deterministic one under torch.use_deterministic_algorithms(True),
+// else by shapes as in select_forward.
+RoIPoolBackwardKernel select_backward(const RoIPoolShape& s) {
+  if (at::globalContext().deterministicAlgorithms()) return RoIPoolBackwardKernel::kDeterministic;
+  const RoIKernel choice = roi_kernel();
+  if (choice != RoIKernel::kGather && roi_pool_band_takes(s) &&
+      (choice == RoIKernel::kBand || roi_pool_band_pays(s))) {
+    return RoIPoolBackwardKernel::kBand;
+  }
+  return RoIPoolBackwardKernel::kAtomic;
+}
+
 // The forward; with_argmax false: the values alone, argmax left undefined (nothing computes
 // or stores it).
 std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
@@ -387,12 +404,15 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
   if (with_argmax) argmax = at::empty(output.sizes(), input.options().dtype(at::kInt));
   if (output.numel() == 0) return {output, argmax};
   const at::Tensor rois = rois_in.contiguous();
-  if (roi_pool_forward_tile(input, rois, spatial_scale, pooled_height, pooled_width, output, argmax)) {
+  const RoIPoolShape s{input.size(0), input.size(1), input.size(2), input.size(3),
+                       k,             pooled_height, pooled_width,  input.scalar_type()};
+  const RoIPoolForwardKernel kernel = select_forward(input, s);
+  if (kernel == RoIPoolForwardKernel::kTile) {  // checks the batch indices in its setup
+    roi_pool_tile_forward(input, rois, spatial_scale, pooled_height, pooled_width, output, argmax);
     return {output, argmax};
   }
   roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIPool, rois, input.size(0));
-  // channels kernel when the channels are the unit-stride dimension (channels_last)
-  const bool channels_kernel = input.size(1) > 1 && input.stride(1) == 1;
+  const bool channels_kernel = kernel == RoIPoolForwardKernel::kChannels;
   const int64_t groups =
       cuda::ceil_div(input.size(1), channels_kernel ? kWarp : kRowsChannels);
   const bool narrow = groups * k * pooled_height < std::numeric_limits<int32_t>::max();
@@ -454,21 +474,22 @@ at::Tensor roi_pool_backward_cuda(
   checks::check_device("detops.roi_pool backward", "grad", grad, at::kCUDA);
   c10::cuda::CUDAGuard guard(grad.device());
   const int64_t total = grad.numel();
-  const bool deterministic = at::globalContext().deterministicAlgorithms();
-  // float16 / bfloat16 atomics add into a float32 buffer, zeroed instead of grad_input
-  const bool wide_acc = !deterministic && (grad.scalar_type() == at::kHalf ||
-                                           grad.scalar_type() == at::kBFloat16);
   if (total == 0 || batch_size * channels * height * width == 0) {
     return at::zeros({batch_size, channels, height, width}, grad.options());
   }
+  const RoIPoolShape s{batch_size,    channels,     height,           width, rois_in.size(0),
+                       pooled_height, pooled_width, grad.scalar_type()};
+  const RoIPoolBackwardKernel kernel = select_backward(s);
+  const bool deterministic = kernel == RoIPoolBackwardKernel::kDeterministic;
   const at::Tensor rois = rois_in.contiguous();
   const at::Tensor argmax = argmax_in.contiguous();
-  if (!deterministic) {  // the band backward checks the batch indices in its setup kernel
-    const at::Tensor band = roi_pool_backward_band(
-        grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size, channels,
-        height, width);
-    if (band.defined()) return band;
+  if (kernel == RoIPoolBackwardKernel::kBand) {  // checks the batch indices in its setup
+    return roi_pool_band_backward(
+        grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width);
   }
+  // float16 / bfloat16 atomics add into a float32 buffer, zeroed instead of grad_input
+  const bool wide_acc = !deterministic && (grad.scalar_type() == at::kHalf ||
+                                           grad.scalar_type() == at::kBFloat16);
   roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIPoolBackward, rois, batch_size);
   at::Tensor grad_input = wide_acc
       ? at::empty({batch_size, channels, height, width}, grad.options())
@@ -481,7 +502,7 @@ at::Tensor roi_pool_backward_cuda(
           const PooledIndex<int64_t> index{
               channels, pooled_height, pooled_width, grad.stride(0), grad.stride(1),
               grad.stride(2), grad.stride(3)};
-          // int32 keys sort faster; the sentinel (numel) must fit too.
+          // int32 keys where the sentinel (numel) fits: fewer bits to sort.
           if (grad_input.numel() < std::numeric_limits<int32_t>::max()) {
             backward_deterministic<scalar_t, int32_t>(
                 total, grad, index, argmax, rois, batch_size, plane_size, grad_input, stream);

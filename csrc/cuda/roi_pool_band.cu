@@ -30,10 +30,10 @@
 #include <limits>
 
 #include "../common/roi_pool_geometry.h"
-#include "../detops.h"
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
 #include "roi_checks.cuh"
+#include "roi_pool_kernels.cuh"
 
 namespace detops {
 namespace ops {
@@ -48,8 +48,7 @@ constexpr int kPoolBandThreads = 512;
 constexpr int64_t kPoolBandBudget = 64 * 1024;  // bytes of a band
 // List entries a block holds in shared memory beside its band (a longer list is read from
 // global memory): 8192, two blocks an SM; for 16-bit gradients 2048, three blocks an SM, which
-// measured 11-15% faster for them and 4-15% slower for float32 ones (BENCHMARKS.md, "roi_pool
-// band backward in bands without overlap").
+// pays for them (their band stores are half the bytes) but not for float32 ones.
 template <typename scalar_t>
 constexpr int kRowCapacity = sizeof(scalar_t) == 2 ? 2048 : 8192;
 template <typename scalar_t>
@@ -266,25 +265,6 @@ __global__ void roi_pool_band_stray_kernel(
   }
 }
 
-// Whether the band kernels take these shapes (on top of roi_kernel()). Under kAuto they run
-// when the bins are dense on the map (see BENCHMARKS.md for the measurements behind the
-// thresholds).
-bool pool_band_applies(
-    int64_t batch, int64_t channels, int64_t height, int64_t width,
-    int64_t num_rois, int64_t pooled_height, int64_t pooled_width, int64_t acc_bytes,
-    bool input_nchw) {
-  const RoIKernel choice = roi_kernel();
-  if (choice == RoIKernel::kGather || !input_nchw) return false;
-  if (num_rois <= 0 || channels <= 0 || height <= 0 || width <= 0) return false;
-  // list entries (k << kRowShift) | ph
-  if (pooled_height > kRowMask + 1 || num_rois > kRoIMask) return false;
-  if (!pool_plan(batch, height, width, acc_bytes, num_rois * pooled_height).ok) return false;
-  if (choice == RoIKernel::kBand) return true;
-  const double bins = static_cast<double>(num_rois) * pooled_height * pooled_width;
-  const double pixels = static_cast<double>(batch) * height * width;
-  return 8.0 * bins >= pixels;
-}
-
 // Bin rows keyed and listed by band, and the launch shape.
 struct PoolSetup {
   BandPlan plan;
@@ -340,15 +320,26 @@ PoolSetup setup_pool_bands(
 
 }  // namespace
 
-at::Tensor roi_pool_backward_band(
-    const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
-    double spatial_scale, int64_t pooled_height, int64_t pooled_width, int64_t batch,
-    int64_t channels, int64_t height, int64_t width) {
-  const int64_t acc_bytes = grad.scalar_type() == at::kDouble ? 8 : 4;
-  if (!pool_band_applies(batch, channels, height, width, rois.size(0), pooled_height,
-                         pooled_width, acc_bytes, true)) {
-    return at::Tensor();
-  }
+bool roi_pool_band_takes(const RoIPoolShape& s) {
+  if (s.num_rois <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0) return false;
+  // list entries (k << kRowShift) | ph
+  if (s.pooled_height > kRowMask + 1 || s.num_rois > kRoIMask) return false;
+  const int64_t acc_bytes = s.dtype == at::kDouble ? 8 : 4;
+  return pool_plan(s.batch, s.height, s.width, acc_bytes, s.num_rois * s.pooled_height).ok;
+}
+
+// The band backward beats the atomic one when the bins are dense on the map: at least one bin
+// per 8 pixels.
+bool roi_pool_band_pays(const RoIPoolShape& s) {
+  const double bins = static_cast<double>(s.num_rois) * s.pooled_height * s.pooled_width;
+  const double pixels = static_cast<double>(s.batch) * s.height * s.width;
+  return 8.0 * bins >= pixels;
+}
+
+at::Tensor roi_pool_band_backward(
+    const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax, double spatial_scale,
+    int64_t pooled_height, int64_t pooled_width, int64_t batch, int64_t channels, int64_t height,
+    int64_t width) {
   at::Tensor grad_input = at::empty({batch, channels, height, width}, grad.options());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor g = grad.contiguous();

@@ -28,13 +28,11 @@
 //      bins (0, argmax -1);
 //   4. bins_to_channels_kernel moves the outputs into place. A warp's results are one bin's 32
 //      channels, which lie bins elements apart in [K, C, PH, PW]: written there, each warp
-//      store touches 32 sectors for 128 bytes, and at 14 x 14 those partial sectors kept L2
-//      70-75% busy and the forward slower than torchvision's. So the forward writes
-//      [K, bins, C] buffers (a whole 128-byte line per warp store) and this kernel transposes
-//      them, a RoI's slab of bins x 64 (or fewer) channels at a time through shared memory,
-//      both sides coalesced. It costs a read and a write of the outputs, and memory for a
-//      second copy during the call (BENCHMARKS.md, "roi_pool tile forward: a bin's maximum in
-//      two passes, outputs through a transpose"). Bins too many for its blocks (past about 400
+//      store touches 32 sectors for 128 bytes, and those partial sectors keep L2 busy. So the
+//      forward writes [K, bins, C] buffers (a whole 128-byte line per warp store) and this
+//      kernel transposes them, a RoI's slab of bins x 64 (or fewer) channels at a time through
+//      shared memory, both sides coalesced. It costs a read and a write of the outputs, and
+//      memory for a second copy during the call. Bins too many for its blocks (past about 400
 //      in float32) are written in place.
 // The input is read through its strides: contiguous NCHW is staged a pixel at a time along
 // rows, channels_last a pixel's channels at a time, both as whole 32-byte sectors.
@@ -55,10 +53,10 @@
 #include <cuda_fp16.h>
 
 #include "../common/roi_pool_geometry.h"
-#include "../detops.h"
 #include "cuda_helpers.h"
 #include "plane_band.cuh"
 #include "roi_checks.cuh"
+#include "roi_pool_kernels.cuh"
 
 namespace detops {
 namespace ops {
@@ -316,9 +314,9 @@ __device__ __forceinline__ void with_row_shape(int cols, F&& f) {
 }
 
 // Rows of up to 8 pixels a scan takes a step: two, so that the loop's own instructions, about
-// as many as a short row's loads, count once for both. Longer rows go one at a time (two made
-// the 16-bit kernel with argmax 10% slower at 7x7, BENCHMARKS.md), and so do double ones (two
-// spill registers at the kernel's limit of 64).
+// as many as a short row's loads, count once for both. Longer rows go one at a time (two cost
+// the 16-bit kernel with argmax more than they save), and so do double ones (two spill
+// registers at the kernel's limit of 64).
 template <bool kChunked, typename scalar_t>
 constexpr int rows_per_step() {
   return kChunked || sizeof(scalar_t) == 8 ? 1 : 2;
@@ -474,9 +472,8 @@ __device__ __forceinline__ void stage_window(
   };
   if (sh.channels_inner) {
     // A warp takes pixels warp, warp + kTileWarps, ...: each one's row and column follow from
-    // the last one's. A division per pixel was most of this loop's instructions, issued while
-    // the block has nothing else to do (BENCHMARKS.md, "roi_pool tile forward: bins worked out
-    // once, rows without loop overhead").
+    // the last one's, without the division per pixel that would be most of this loop's
+    // instructions, issued while the block has nothing else to do.
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int r = warp / ww;
     int x = warp - r * ww;
@@ -711,9 +708,8 @@ __device__ __forceinline__ void slab_to_shared(
 // is contiguous in the output. CC + 1 words per staged row: both phases are conflict-free.
 // Without kArgmax the values alone, read with slab_to_shared's 16-byte loads where vec_v holds
 // (at most 40 registers, six blocks an SM). With kArgmax a value and its index are read together,
-// element by element, eight blocks an SM: those two loads per thread in flight kept DRAM about
-// as busy (3.0 TB/s at 14 x 14), and 16-byte loads made the 16-bit kernel slower
-// (BENCHMARKS.md, "roi_pool forward without argmax when no gradient is needed").
+// element by element, eight blocks an SM: those two loads per thread in flight already keep
+// DRAM busy, and 16-byte loads would slow the 16-bit kernel.
 template <typename scalar_t, bool kArgmax>
 __global__ void __launch_bounds__(kTransposeThreads, kArgmax ? 8 : 6) bins_to_channels_kernel(
     const scalar_t* __restrict__ in_v, const int32_t* __restrict__ in_a, int64_t num_rois, int bins,
@@ -748,8 +744,9 @@ __global__ void __launch_bounds__(kTransposeThreads, kArgmax ? 8 : 6) bins_to_ch
   }
 }
 
-int64_t word_bytes(const at::Tensor& input) {
-  return input.element_size() == 2 ? 4 : input.element_size();
+// Bytes of a staged word: a lane's channels of one pixel.
+int64_t word_bytes(int64_t elem_bytes) {
+  return elem_bytes == 2 ? 4 : elem_bytes;
 }
 
 TilePlan plan_for(int64_t height, int64_t width, int64_t word) {
@@ -757,37 +754,46 @@ TilePlan plan_for(int64_t height, int64_t width, int64_t word) {
   return plan_tiles(height, width, word, plane_band::band_budget(kTileBudget, list_bytes + 16));
 }
 
-// The tile plan when the tile kernel takes these shapes (on top of roi_kernel()), else one
-// with ok == false. Under kAuto it runs when the bins are dense on the map (see BENCHMARKS.md)
-// and there are channels enough to keep at least half of a warp's lanes busy; with fewer, the
-// rows kernel of roi_pool.cu, whose lanes split a channel's pixels instead, wastes less.
-TilePlan pool_tile_plan(const at::Tensor& input, int64_t num_rois, int64_t pooled_height, int64_t pooled_width) {
+// The tile plan for these shapes, or one with ok == false where the tile kernel cannot take
+// them.
+TilePlan tile_plan(const RoIPoolShape& s) {
   const TilePlan none;
-  const RoIKernel choice = roi_kernel();
-  if (choice == RoIKernel::kGather) return none;
-  const int64_t batch = input.size(0), channels = input.size(1);
-  const int64_t height = input.size(2), width = input.size(3);
-  if (num_rois <= 0 || channels <= 0 || height <= 0 || width <= 0) return none;
-  if (height * width >= (int64_t{1} << 31) || num_rois * pooled_height * pooled_width >= (int64_t{1} << 30)) return none;
-  const int64_t lanes = 32 * (input.element_size() == 2 ? 2 : 1);
-  if (cuda::ceil_div(channels, lanes) > 65535) return none;
-  const TilePlan plan = plan_for(height, width, word_bytes(input));
-  if (!plan.ok || batch * plan.tiles_y * plan.tiles_x >= (int64_t{1} << 30)) return none;
-  if (choice == RoIKernel::kBand) return plan;
-  const double bins = static_cast<double>(num_rois) * pooled_height * pooled_width;
-  const double pixels = static_cast<double>(batch) * height * width;
-  return 2 * channels >= lanes && 4.0 * bins >= pixels ? plan : none;
+  if (s.num_rois <= 0 || s.channels <= 0 || s.height <= 0 || s.width <= 0) return none;
+  if (s.height * s.width >= (int64_t{1} << 31) || s.num_rois * s.pooled_height * s.pooled_width >= (int64_t{1} << 30)) {
+    return none;
+  }
+  const int64_t elem_bytes = static_cast<int64_t>(at::elementSize(s.dtype));
+  const int64_t lanes = 32 * (elem_bytes == 2 ? 2 : 1);
+  if (cuda::ceil_div(s.channels, lanes) > 65535) return none;
+  const TilePlan plan = plan_for(s.height, s.width, word_bytes(elem_bytes));
+  if (!plan.ok || s.batch * plan.tiles_y * plan.tiles_x >= (int64_t{1} << 30)) return none;
+  return plan;
 }
 
 }  // namespace
 
-bool roi_pool_forward_tile(
+bool roi_pool_tile_takes(const RoIPoolShape& s) {
+  return tile_plan(s).ok;
+}
+
+// The tile kernel beats the rows kernel of roi_pool.cu when the bins are dense on the map and
+// there are channels enough to keep at least half of a warp's lanes busy; with fewer, the rows
+// kernel, whose lanes split a channel's pixels instead, wastes less.
+bool roi_pool_tile_pays(const RoIPoolShape& s) {
+  const int64_t lanes = 32 * (at::elementSize(s.dtype) == 2 ? 2 : 1);
+  const double bins = static_cast<double>(s.num_rois) * s.pooled_height * s.pooled_width;
+  const double pixels = static_cast<double>(s.batch) * s.height * s.width;
+  return 2 * s.channels >= lanes && 4.0 * bins >= pixels;
+}
+
+void roi_pool_tile_forward(
     const at::Tensor& input, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, at::Tensor& output, at::Tensor& argmax) {
-  const TilePlan plan = pool_tile_plan(input, rois.size(0), pooled_height, pooled_width);
-  if (!plan.ok) return false;
   const int64_t batch = input.size(0), channels = input.size(1);
   const int64_t height = input.size(2), width = input.size(3);
+  const TilePlan plan = tile_plan(RoIPoolShape{
+      batch, channels, height, width, rois.size(0), pooled_height, pooled_width, input.scalar_type()});
+  TORCH_INTERNAL_ASSERT(plan.ok, "detops.roi_pool: no tile plan");
   const int64_t total = rois.size(0) * pooled_height * pooled_width;
   const int64_t num_keys = batch * plan.tiles_y * plan.tiles_x + 1;  // the last: empty bins
   // keys, rows, offsets, then counts, reach and cursor (zeroed)
@@ -813,15 +819,15 @@ bool roi_pool_forward_tile(
         total, rois.const_data_ptr<scalar_t>(), scale, shape, plan, keys, counts, reach);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (num_keys < kScatterKeys) {
-      // many blocks: one block grouping every bin took 45 µs for the 50 k bins of the benchmark
-      // (BENCHMARKS.md, "Setup kernels of the RoI ops")
+      // many blocks: one block grouping every bin is a long serial step for tens of thousands
+      // of bins
       roi_pool_tile_scatter_kernel<<<cuda::grid_for(total, plane_band::kGroupThreads), plane_band::kGroupThreads, 0,
                                      stream>>>(keys, total, static_cast<int32_t>(num_keys), counts, cursor, offsets, rows);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
       plane_band::group_by_owner<int32_t>(keys, total, num_keys, counts, offsets, rows, 0, /*in_order=*/false, stream);
     }
-    const int64_t list_offset = cuda::round_up(static_cast<int64_t>(plan.capacity) * kPixelWords * word_bytes(input), 16);
+    const int64_t list_offset = cuda::round_up(static_cast<int64_t>(plan.capacity) * kPixelWords * word_bytes(input.element_size()), 16);
     const int64_t smem = list_offset + kTileList * static_cast<int64_t>(sizeof(TileBin));
     const bool with_argmax = argmax.defined();  // else the values alone
     auto kernel = with_argmax ? roi_pool_tile_forward_kernel<scalar_t, true>
@@ -857,7 +863,6 @@ bool roi_pool_forward_tile(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
-  return true;
 }
 
 }  // namespace ops

@@ -7,10 +7,9 @@
 // transpose. torch's copy writes the output in order and reads each channel's value from its
 // own plane: a warp's 32 loads touch 32 sectors for 4 bytes each. Here each block moves one
 // square tile through shared memory: its warps read channels' rows of pixels and write pixels'
-// rows of channels, each lane 2 or 4 values at once, so both sides move whole sectors
-// (BENCHMARKS.md, "CUDA channels_last gradients"). The values are moved as raw bits of their
-// size, so any dtype of 1, 2, 4 or 8 bytes takes the kernel; other inputs (another layout,
-// 16-byte complex) take torch's copy.
+// rows of channels, each lane 2 or 4 values at once, so both sides move whole sectors. The
+// values are moved as raw bits of their size, so any dtype of 1, 2, 4 or 8 bytes takes the
+// kernel; other inputs (another layout, 16-byte complex) take torch's copy.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -94,10 +93,9 @@ void launch_transpose(const at::Tensor& input, at::Tensor& output, int64_t pixel
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Values a lane moves at once, K, and the block's rows of 32 threads, as measured fastest on an
-// H200 among K = 1, 2, 4 and 4 to 16 rows (BENCHMARKS.md, "CUDA channels_last gradients"):
-// 2-byte values two a lane in blocks of 8 rows, at least four blocks an SM; 4 and 8-byte values
-// two a lane in blocks of 4 rows; 1-byte values four a lane. One value a lane in blocks of 8
+// Values a lane moves at once, K, and the block's rows of 32 threads, the fastest of K = 1, 2, 4
+// and 4 to 16 rows: 2-byte values two a lane in blocks of 8 rows, at least four blocks an SM;
+// 4 and 8-byte values two a lane in blocks of 4 rows; 1-byte values four a lane. One value a lane in blocks of 8
 // rows where the shape or the input's address does not allow K.
 template <typename Bits>
 void transpose(const at::Tensor& input, at::Tensor& output, int64_t pixels) {
