@@ -895,9 +895,10 @@ def test_cuda_generic_kernels_for_many_bins(dtype):
     from detops.ops._utils import roi_kernel
 
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 5, 30, 40, generator=g, dtype=torch.float64)
-    rois = dense_rois(2, 6, 30, 40, 4, 30, 0.5, seed=4).double()
-    grad = torch.randn(6, 5, 50, 50, generator=g, dtype=torch.float64)
+    # inputs rounded to dtype first, so that the float64 reference samples where the kernels do
+    x = torch.randn(2, 5, 30, 40, generator=g, dtype=torch.float64).to(dtype).double()
+    rois = dense_rois(2, 6, 30, 40, 4, 30, 0.5, seed=4).to(dtype).double()
+    grad = torch.randn(6, 5, 50, 50, generator=g, dtype=torch.float64).to(dtype).double()
     xc = x.clone().requires_grad_()
     want = roi_align(xc, rois, 50, 0.5, 2, True)
     want.backward(grad)
