@@ -4,6 +4,21 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# Property-based tests (tests/test_props_*.py) run under one of two hypothesis profiles:
+# "ci" (the default: few examples per test, all ops together within a few minutes on 2 cores)
+# and "long" (DETOPS_HYPOTHESIS_PROFILE=long: at least 10,000 examples per op and device, run
+# before a kernel change is called done). Examples are derandomized in CI so that a run is
+# reproducible; the long profile draws fresh ones and prints the failing example's blob.
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+settings.register_profile(
+    "ci", max_examples=40, deadline=None, derandomize=True, print_blob=True, suppress_health_check=_SLOW_OK
+)
+settings.register_profile(
+    "long", max_examples=10_000, deadline=None, print_blob=True, suppress_health_check=_SLOW_OK
+)
+settings.load_profile(os.environ.get("DETOPS_HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):

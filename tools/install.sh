@@ -36,7 +36,7 @@ PY
     pip_install "$TORCH_SPEC" "$TORCHVISION_SPEC"
   fi
 fi
-pip_install "setuptools>=64" wheel ninja numpy pytest pyyaml yacs pycocotools matplotlib pillow
+pip_install "setuptools>=64" wheel ninja numpy pytest hypothesis pyyaml yacs pycocotools matplotlib pillow
 
 # The C++ build (tools/cpp_tests.sh) needs CMake and GoogleTest. CMake comes from pip when the
 # system has none; GoogleTest from the system packages (needs root and apt-get).
