@@ -248,7 +248,7 @@ class Develop(_develop):
 def get_extensions(with_cuda):
     csrc = os.path.join("csrc")
     sources = glob.glob(os.path.join(csrc, "*.cpp")) + glob.glob(os.path.join(csrc, "cpu", "*.cpp"))
-    sources += glob.glob(os.path.join(csrc, "autocast", "*.cpp")) + glob.glob(os.path.join(csrc, "autograd", "*.cpp"))
+    sources += glob.glob(os.path.join(csrc, "autograd", "*.cpp"))
     debug = env_flag("DETOPS_DEBUG")
     cxx = ["-O0", "-g"] if debug else ["-O3"]
     # at::parallel_for is an inline OpenMP template: without -fopenmp it runs on one thread.

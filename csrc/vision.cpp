@@ -1,13 +1,18 @@
-// The one detops module: op schemas, the public C++ API, and (in the Python extension) the
-// maskrcnn-benchmark style pybind11 entries. Kernels live in cpu/<op>.cpp and cuda/<op>.cu and
-// register themselves with TORCH_LIBRARY_IMPL; the entries here only call the dispatcher.
+// The one detops module: op schemas and their autocast kernels, the public C++ API, and (in the
+// Python extension) the maskrcnn-benchmark style pybind11 entries. Kernels live in cpu/<op>.cpp
+// and cuda/<op>.cu and register themselves with TORCH_LIBRARY_IMPL; the entries here only call
+// the dispatcher.
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <atomic>
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -31,35 +36,114 @@
 
 namespace {
 
-// The schema of every detops op: TORCH_LIBRARY defines them from this table, and a build without
-// CUDA kernels registers its CUDA error for each of them from it, so no other list of the ops is
-// kept by hand. Kernels register themselves under these names (cpu/<op>.cpp, cuda/<op>.cu).
-constexpr const char* kSchemas[] = {
-    "nms(Tensor boxes, Tensor scores, float iou_threshold) -> Tensor",
-    "batched_nms(Tensor boxes, Tensor scores, Tensor idxs, float iou_threshold) -> Tensor",
-    "nms_padded(Tensor boxes, Tensor scores, float iou_threshold, float score_threshold, "
-    "int max_output) -> (Tensor, Tensor)",
-    "roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
-    "SymInt pooled_width, int sampling_ratio, bool aligned) -> Tensor",
-    "_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, "
-    "SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width, "
-    "int sampling_ratio, bool aligned) -> Tensor",
-    "roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
-    "SymInt pooled_width) -> (Tensor, Tensor)",
-    "_roi_pool_values(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
-    "SymInt pooled_width) -> Tensor",
-    "_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, "
-    "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, "
-    "SymInt height, SymInt width) -> Tensor",
+// What an op does under torch.autocast (its AutocastCPU and AutocastCUDA kernels).
+enum class Autocast {
+  // Nothing: autocast falls through to the op. For ops whose kernels take any mix of float
+  // dtypes, and for backward ops (autograd replays the forward's casts).
+  kNone,
+  // Run in float32: the floating tensor arguments are cast to float32
+  // (at::autocast::cached_cast: only those on the autocast's device, float64 stays), and the
+  // floating outputs back to the dtype of the first tensor argument as it came (the input's);
+  // integer outputs stay as they are. For kernels that need one float dtype for all their
+  // arguments, or whose sums lose too much in float16 / bfloat16.
+  kFloat32,
+};
+
+struct OpDef {
+  const char* schema;
+  Autocast autocast;
+};
+
+// Every detops op: its schema and its autocast policy. TORCH_LIBRARY defines the ops from this
+// table, a build without CUDA kernels registers its CUDA error for each of them from it, and the
+// autocast kernels are registered from it, so no other list of the ops is kept by hand. Kernels
+// register themselves under these names (cpu/<op>.cpp, cuda/<op>.cu).
+constexpr OpDef kSchemas[] = {
+    {"nms(Tensor boxes, Tensor scores, float iou_threshold) -> Tensor", Autocast::kNone},
+    {"batched_nms(Tensor boxes, Tensor scores, Tensor idxs, float iou_threshold) -> Tensor",
+     Autocast::kNone},
+    {"nms_padded(Tensor boxes, Tensor scores, float iou_threshold, float score_threshold, "
+     "int max_output) -> (Tensor, Tensor)",
+     Autocast::kNone},
+    // bilinear sums of many samples lose too much in float16 / bfloat16 (torchvision does the same)
+    {"roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+     "SymInt pooled_width, int sampling_ratio, bool aligned) -> Tensor",
+     Autocast::kFloat32},
+    {"_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, "
+     "SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width, "
+     "int sampling_ratio, bool aligned) -> Tensor",
+     Autocast::kNone},
+    // max pooling is exact: float32 only fixes the dtype mix autocast makes (bfloat16 features
+    // with float32 RoIs), which the kernels reject; argmax stays int32
+    {"roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+     "SymInt pooled_width) -> (Tensor, Tensor)",
+     Autocast::kFloat32},
+    {"_roi_pool_values(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, "
+     "SymInt pooled_width) -> Tensor",
+     Autocast::kFloat32},
+    {"_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, "
+     "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, "
+     "SymInt height, SymInt width) -> Tensor",
+     Autocast::kNone},
     // input's values in a new channels_last tensor: the RoI ops' autograd returns the gradient of
     // a channels_last CPU input through it (their backwards write NCHW planes)
-    "_to_channels_last(Tensor input) -> Tensor",
+    {"_to_channels_last(Tensor input) -> Tensor", Autocast::kNone},
 };
+
+// The op's name: its schema up to '('.
+std::string op_name(const char* schema) {
+  return std::string(schema, std::strchr(schema, '('));
+}
+
+// The kFloat32 autocast kernel of every op that has one (a boxed kernel: it reads the op's
+// arguments and outputs from the stack). It runs the op below its autocast key on the casts,
+// as a kernel for that op alone would.
+template <c10::DispatchKey kAutocastKey, c10::DeviceType kDeviceType>
+void autocast_float32(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKey);
+  const size_t num_args = op.schema().arguments().size();
+  const size_t first = stack->size() - num_args;
+  std::optional<at::ScalarType> out_dtype;  // the first tensor argument's dtype
+  for (size_t i = first; i < stack->size(); ++i) {
+    c10::IValue& arg = (*stack)[i];
+    if (!arg.isTensor()) continue;
+    if (!out_dtype) out_dtype = arg.toTensor().scalar_type();
+    at::Tensor cast = at::autocast::cached_cast(at::kFloat, arg.toTensor(), kDeviceType);
+    arg = std::move(cast);
+  }
+  op.callBoxed(stack);
+  if (!out_dtype) return;
+  const size_t num_outputs = op.schema().returns().size();
+  for (size_t i = stack->size() - num_outputs; i < stack->size(); ++i) {
+    c10::IValue& out = (*stack)[i];
+    if (!out.isTensor() || !out.toTensor().is_floating_point()) continue;
+    at::Tensor back = out.toTensor().to(*out_dtype);
+    out = std::move(back);
+  }
+}
+
+template <c10::DispatchKey kAutocastKey, c10::DeviceType kDeviceType>
+void register_autocast(torch::Library& m) {
+  for (const OpDef& def : kSchemas) {
+    if (def.autocast != Autocast::kFloat32) continue;
+    m.impl(
+        op_name(def.schema).c_str(),
+        torch::CppFunction::makeFromBoxedFunction<&autocast_float32<kAutocastKey, kDeviceType>>());
+  }
+}
 
 }  // namespace
 
 TORCH_LIBRARY(detops, m) {
-  for (const char* schema : kSchemas) m.def(schema);
+  for (const OpDef& def : kSchemas) m.def(def.schema);
+}
+
+TORCH_LIBRARY_IMPL(detops, AutocastCUDA, m) {
+  register_autocast<c10::DispatchKey::AutocastCUDA, c10::DeviceType::CUDA>(m);
+}
+
+TORCH_LIBRARY_IMPL(detops, AutocastCPU, m) {
+  register_autocast<c10::DispatchKey::AutocastCPU, c10::DeviceType::CPU>(m);
 }
 
 #ifndef WITH_CUDA
@@ -79,9 +163,8 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/)
 }  // namespace
 
 TORCH_LIBRARY_IMPL(detops, CUDA, m) {
-  for (const char* schema : kSchemas) {
-    const std::string name(schema, std::strchr(schema, '('));  // the op's name: the schema up to '('
-    m.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  for (const OpDef& def : kSchemas) {
+    m.impl(op_name(def.schema).c_str(), torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   }
 }
 #endif

@@ -82,10 +82,11 @@ def want_cuda() -> bool:
 
 
 def sources(with_cuda: bool, aot: bool = False) -> List[str]:
-    """The csrc files of one build: the module (vision.cpp), the CPU, autocast and autograd
-    kernels, the CUDA kernels when with_cuda, and the C ABI entries (csrc/aot) when aot."""
+    """The csrc files of one build: the module (vision.cpp, autocast kernels included), the CPU
+    and autograd kernels, the CUDA kernels when with_cuda, and the C ABI entries (csrc/aot) when
+    aot."""
     files = glob.glob(os.path.join(CSRC, "*.cpp"))
-    for sub in ("cpu", "autocast", "autograd") + (("aot",) if aot else ()):
+    for sub in ("cpu", "autograd") + (("aot",) if aot else ()):
         files += glob.glob(os.path.join(CSRC, sub, "*.cpp"))
     if with_cuda:
         files += glob.glob(os.path.join(CSRC, "cuda", "*.cu")) + glob.glob(os.path.join(CSRC, "cuda", "*.cpp"))
@@ -95,10 +96,10 @@ def sources(with_cuda: bool, aot: bool = False) -> List[str]:
 
 
 def _unique_sources(srcs: List[str], build_dir: str) -> List[str]:
-    """load() names each object file after its source's base name, and csrc has the same name
-    in several folders (cpu/roi_align.cpp, autocast/roi_align.cpp): compile each through a
-    one-line file in the build directory, named after its folder, that includes it. Written
-    only when its text changes, so that ninja's up-to-date checks hold."""
+    """load() names each object file after its source's base name, and a name may repeat in
+    several folders of csrc: compile each through a one-line file in the build directory, named
+    after its folder, that includes it. Written only when its text changes, so that ninja's
+    up-to-date checks hold."""
     out_dir = os.path.join(build_dir, "sources")
     os.makedirs(out_dir, exist_ok=True)
     out = []

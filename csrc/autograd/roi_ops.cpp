@@ -4,7 +4,7 @@
 // kernels without argmax when no gradient is needed, and roi_pool's Function otherwise. Each
 // backward op has a node whose own backward raises: there is no double backward.
 //
-// Under autocast the ops may run in float32 on casts of the arguments (autocast/*.cpp): the
+// Under autocast the ops may run in float32 on casts of the arguments (vision.cpp): the
 // gradient is taken in the RoIs' dtype and returned in the input's dtype, as the op saw them.
 //
 // The backwards write the gradient plane by plane (NCHW). For an input stored channels_last the

@@ -460,8 +460,9 @@ RoIAlignBackwardKernel select_backward(const RoIAlignShape& s) {
 
 // rois in the accumulation type, contiguous, for the kernels of this file, once their batch
 // indices are checked (on the device; the band kernels check them in their setup instead).
-at::Tensor checked_rois(roi_checks::RoIOp op, const at::Tensor& rois, int64_t batch, at::ScalarType dtype) {
-  roi_checks::check_batch_indices_async(op, rois, batch);
+template <typename Check>
+at::Tensor checked_rois(const at::Tensor& rois, int64_t batch, at::ScalarType dtype) {
+  roi_checks::check_batch_indices_async<Check>(rois, batch);
   return rois.to(acc_dtype_of(dtype)).contiguous();
 }
 
@@ -485,7 +486,7 @@ at::Tensor roi_align_forward_cuda(
         output);
     return output;
   }
-  const at::Tensor r = checked_rois(roi_checks::RoIOp::kRoIAlign, rois, s.batch, input.scalar_type());
+  const at::Tensor r = checked_rois<RoIAlignCheck>(rois, s.batch, input.scalar_type());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t batch = s.batch, channels = s.channels, bins = pooled_height * pooled_width;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kForwardOp, [&] {
@@ -556,7 +557,7 @@ at::Tensor roi_align_backward_cuda(
   const RoIAlignBackwardKernel kernel = select_backward(s);
   switch (kernel) {
     case RoIAlignBackwardKernel::kDeterministic: {
-      const at::Tensor r = checked_rois(roi_checks::RoIOp::kRoIAlignBackward, rois, batch_size, dtype);
+      const at::Tensor r = checked_rois<RoIAlignBackwardCheck>(rois, batch_size, dtype);
       // every element written by the deterministic backward
       at::Tensor grad_input = cuda::empty_written({batch_size, channels, height, width}, grad.options());
       roi_align_backward_deterministic(
@@ -574,7 +575,7 @@ at::Tensor roi_align_backward_cuda(
   }
   at::Tensor acc = at::empty(
       {batch_size, channels, height, width}, grad.options().dtype(acc_dtype_of(dtype)));
-  const at::Tensor r = checked_rois(roi_checks::RoIOp::kRoIAlignBackward, rois, batch_size, dtype);
+  const at::Tensor r = checked_rois<RoIAlignBackwardCheck>(rois, batch_size, dtype);
   acc.zero_();
   const at::Tensor g = grad.contiguous();
   const int64_t total = g.numel();

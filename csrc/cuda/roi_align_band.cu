@@ -132,7 +132,11 @@ __device__ __forceinline__ void load_taps(const BandTap<acc_t>* __restrict__ src
 using plane_band::KeyList;
 using plane_band::kMaxHeavyFirstKeys;
 
-constexpr int kNoCheck = -1;  // band_taps_kernel's check_op: no batch-index check
+// band_taps_kernel's check_op: no batch-index check, or the assertion of roi_align or of
+// _roi_align_backward
+constexpr int kNoCheck = -1;
+constexpr int kCheckForward = 0;
+constexpr int kCheckBackward = 1;
 
 // The ranked grouping (group_ranked_kernel): a chunk is one block of band_taps_kernel, its
 // kRankThreads items (a thread each). Where keys run to kRankKeys and chunks x keys to
@@ -183,10 +187,11 @@ __device__ __forceinline__ void rank_in_chunk(
 // taps. keys[k * PH + ph]: the owner of bin row (k, ph); tall[k * PH + ph]: 1 when the bin row
 // reads pixel rows past its owner's window, or, where `spans` (bands without overlap, at most
 // 255 of them), the number of bands from the owner on that its sample rows touch. With a check
-// op (a roi_checks::RoIOp), a RoI whose batch index is invalid also fails that op's device
-// assertion, so that the op needs no launch of its own for it. With ranks (launched with one
-// item a thread, a block of kRankThreads per chunk), each block also ranks its bin rows among
-// its own of the same owner (rank_in_chunk) for group_ranked_kernel, out of num_keys owners.
+// (kCheckForward, kCheckBackward), a RoI whose batch index is invalid also fails that op's
+// device assertion, so that the op needs no launch of its own for it. With ranks (launched with
+// one item a thread, a block of kRankThreads per chunk), each block also ranks its bin rows
+// among its own of the same owner (rank_in_chunk) for group_ranked_kernel, out of num_keys
+// owners.
 template <typename acc_t, typename roi_t>
 __global__ void band_taps_kernel(
     int64_t num_rois, const roi_t* __restrict__ rois, int64_t batch, int height, int width,
@@ -210,7 +215,11 @@ __global__ void band_taps_kernel(
 #pragma unroll
     for (int e = 0; e < 5; ++e) roi[e] = static_cast<acc_t>(rois[k * 5 + e]);
     if (check_op != kNoCheck && j == 0) {
-      roi_checks::assert_batch_index(static_cast<double>(roi[0]), batch, static_cast<roi_checks::RoIOp>(check_op));
+      if (check_op == kCheckForward) {
+        roi_checks::assert_batch_index<RoIAlignCheck>(static_cast<double>(roi[0]), batch);
+      } else {
+        roi_checks::assert_batch_index<RoIAlignBackwardCheck>(static_cast<double>(roi[0]), batch);
+      }
     }
     const int64_t b = roi_align::roi_batch_index(roi[0], batch);
     const RoIBins<acc_t> r =
@@ -1641,7 +1650,7 @@ void roi_align_band_forward(
     const BandSetup s = setup_bands<acc_t, scalar_t>(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio, aligned,
         spatial_scale, plan, stream, nc,
-        static_cast<int>(roi_checks::RoIOp::kRoIAlign),  // the caller leaves the batch-index check to the setup
+        kCheckForward,  // the caller leaves the batch-index check to the setup
         /*in_order=*/swizzled);  // the swizzled kernel's sums follow the list order: the same lists, the same bits
     // one more column of blocks: those of the discard key, which write its bins' zeros
     dim3 grid(s.grid.x + 1, s.grid.y);
@@ -1743,7 +1752,7 @@ at::Tensor roi_align_band_backward(
         const BandSetup s = setup_bands<acc_t, scalar_t>(
             rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
             aligned, spatial_scale, splan, stream, kSwizzledPixelBytes / static_cast<int>(sizeof(float)),
-            static_cast<int>(roi_checks::RoIOp::kRoIAlignBackward), /*in_order=*/false, /*spans=*/true);
+            kCheckBackward, /*in_order=*/false, /*spans=*/true);
         // every element stored by its band
         grad_input = cuda::empty_written({batch, channels, height, width}, grad.options());
         with_grid(sampling_ratio, [&](auto gc) {
@@ -1765,7 +1774,7 @@ at::Tensor roi_align_band_backward(
         rois, batch, channels, height, width, pooled_height, pooled_width, sampling_ratio,
         aligned, spatial_scale, swizzled ? rplan : band_plan(height, width, sizeof(acc_t)), stream,
         swizzled ? kSwizzledPixelBytes / static_cast<int>(sizeof(float)) : 1,
-        static_cast<int>(roi_checks::RoIOp::kRoIAlignBackward));  // as in the forward
+        kCheckBackward);  // as in the forward
     // Rows two bands stage start at zero; every other row is stored by its band.
     plane_band::zero_shared_rows(acc.data_ptr<acc_t>(), batch * channels, height, width, s.plan, stream);
     const acc_t count = static_cast<acc_t>(sampling_ratio * sampling_ratio);

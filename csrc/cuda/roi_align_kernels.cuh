@@ -69,5 +69,15 @@ void roi_align_backward_deterministic(
     const at::Tensor& grad, const at::Tensor& rois, double spatial_scale, int64_t pooled_height,
     int64_t pooled_width, int64_t sampling_ratio, bool aligned, at::Tensor& grad_input);
 
+// The ops' device-side batch-index assertions (roi_checks.cuh): what each prints.
+struct RoIAlignCheck {
+  static constexpr const char* kMessage =
+      "detops.roi_align: rois[:, 0] (the batch index) must hold integers in [0, B)";
+};
+struct RoIAlignBackwardCheck {
+  static constexpr const char* kMessage =
+      "detops._roi_align_backward: rois[:, 0] (the batch index) must hold integers in [0, B)";
+};
+
 }  // namespace ops
 }  // namespace detops

@@ -20,44 +20,40 @@ namespace detops {
 namespace ops {
 namespace roi_checks {
 
-enum class RoIOp : int { kRoIAlign, kRoIAlignBackward, kRoIPool, kRoIPoolBackward };
+// Check: a type that names the op, whose `static constexpr const char* kMessage` is the text of
+// its assertion. The text is a constant, so the device code holds a copy of it (a device
+// assertion can print only a string in device memory). Each op declares its own next to its
+// kernels, e.g.
+//   struct RoIPoolForward {
+//     static constexpr const char* kMessage =
+//         "detops.roi_pool: rois[:, 0] must hold batch indices, integers in [0, B)";
+//   };
 
-// Fails a device assertion naming `op` unless v (rois[k, 0]) is an integer in [0, batch).
-__device__ __forceinline__ void assert_batch_index(double v, int64_t batch, RoIOp op) {
+// Fails Check's device assertion unless v (rois[k, 0]) is an integer in [0, batch).
+template <typename Check>
+__device__ __forceinline__ void assert_batch_index(double v, int64_t batch) {
   const bool ok = v >= 0.0 && v < static_cast<double>(batch) && floor(v) == v;
-  switch (op) {
-    case RoIOp::kRoIAlign:
-      CUDA_KERNEL_ASSERT(ok && "detops.roi_align: rois[:, 0] (the batch index) must hold integers in [0, B)");
-      break;
-    case RoIOp::kRoIAlignBackward:
-      CUDA_KERNEL_ASSERT(ok && "detops._roi_align_backward: rois[:, 0] (the batch index) must hold integers in [0, B)");
-      break;
-    case RoIOp::kRoIPool:
-      CUDA_KERNEL_ASSERT(ok && "detops.roi_pool: rois[:, 0] must hold batch indices, integers in [0, B)");
-      break;
-    default:
-      CUDA_KERNEL_ASSERT(ok && "detops.roi_pool backward: rois[:, 0] must hold batch indices, integers in [0, B)");
-      break;
-  }
+  CUDA_KERNEL_ASSERT_MSG(ok, Check::kMessage);
 }
 
-template <typename T>
+template <typename Check, typename T>
 __global__ void batch_index_kernel(int64_t num_rois, const T* __restrict__ rois, int64_t row_stride,
-                                   int64_t batch, RoIOp op) {
+                                   int64_t batch) {
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < num_rois;
        k += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    assert_batch_index(static_cast<double>(rois[k * row_stride]), batch, op);
+    assert_batch_index<Check>(static_cast<double>(rois[k * row_stride]), batch);
   }
 }
 
 // rois: [K, 5] floating tensor on the current CUDA device (any row stride).
-inline void check_batch_indices_async(RoIOp op, const at::Tensor& rois, int64_t batch) {
+template <typename Check>
+void check_batch_indices_async(const at::Tensor& rois, int64_t batch) {
   const int64_t k = rois.size(0);
   if (k == 0) return;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, rois.scalar_type(), "detops.check_batch_indices", [&] {
-    batch_index_kernel<scalar_t><<<cuda::grid_for(k, 256), 256, 0, stream>>>(
-        k, rois.const_data_ptr<scalar_t>() , rois.stride(0), batch, op);
+    batch_index_kernel<Check, scalar_t><<<cuda::grid_for(k, 256), 256, 0, stream>>>(
+        k, rois.const_data_ptr<scalar_t>(), rois.stride(0), batch);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

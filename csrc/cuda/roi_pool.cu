@@ -411,7 +411,7 @@ std::tuple<at::Tensor, at::Tensor> roi_pool_forward_cuda(
     roi_pool_tile_forward(input, rois, spatial_scale, pooled_height, pooled_width, output, argmax);
     return {output, argmax};
   }
-  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIPool, rois, input.size(0));
+  roi_checks::check_batch_indices_async<RoIPoolCheck>(rois, input.size(0));
   const bool channels_kernel = kernel == RoIPoolForwardKernel::kChannels;
   const int64_t groups =
       cuda::ceil_div(input.size(1), channels_kernel ? kWarp : kRowsChannels);
@@ -490,7 +490,7 @@ at::Tensor roi_pool_backward_cuda(
   // float16 / bfloat16 atomics add into a float32 buffer, zeroed instead of grad_input
   const bool wide_acc = !deterministic && (grad.scalar_type() == at::kHalf ||
                                            grad.scalar_type() == at::kBFloat16);
-  roi_checks::check_batch_indices_async(roi_checks::RoIOp::kRoIPoolBackward, rois, batch_size);
+  roi_checks::check_batch_indices_async<RoIPoolBackwardCheck>(rois, batch_size);
   at::Tensor grad_input = wide_acc
       ? at::empty({batch_size, channels, height, width}, grad.options())
       : at::zeros({batch_size, channels, height, width}, grad.options());

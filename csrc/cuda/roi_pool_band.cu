@@ -102,7 +102,7 @@ __global__ void roi_pool_owner_kernel(
        i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
     const int64_t k = i / sh.pooled_height, ph = i - k * sh.pooled_height;
     if (ph == 0) {
-      roi_checks::assert_batch_index(static_cast<double>(rois[k * 5]), sh.batch, roi_checks::RoIOp::kRoIPoolBackward);
+      roi_checks::assert_batch_index<RoIPoolBackwardCheck>(static_cast<double>(rois[k * 5]), sh.batch);
     }
     const auto box = geometry::roi_pool_box_at(rois, k, scale, sh.batch, sh.pooled_height, sh.pooled_width);
     int64_t h0, h1, w0, w1;

@@ -55,5 +55,15 @@ at::Tensor roi_pool_band_backward(
     int64_t pooled_height, int64_t pooled_width, int64_t batch, int64_t channels, int64_t height,
     int64_t width);
 
+// The ops' device-side batch-index assertions (roi_checks.cuh): what each prints.
+struct RoIPoolCheck {
+  static constexpr const char* kMessage =
+      "detops.roi_pool: rois[:, 0] must hold batch indices, integers in [0, B)";
+};
+struct RoIPoolBackwardCheck {
+  static constexpr const char* kMessage =
+      "detops.roi_pool backward: rois[:, 0] must hold batch indices, integers in [0, B)";
+};
+
 }  // namespace ops
 }  // namespace detops

@@ -147,7 +147,7 @@ __global__ void roi_pool_tile_keys_kernel(
     if (i < total) {
       const int64_t k = i / bins, r = i - k * bins;
       if (r == 0) {
-        roi_checks::assert_batch_index(static_cast<double>(rois[k * 5]), sh.batch, roi_checks::RoIOp::kRoIPool);
+        roi_checks::assert_batch_index<RoIPoolCheck>(static_cast<double>(rois[k * 5]), sh.batch);
       }
       const int64_t ph = r / sh.pooled_width, pw = r - ph * sh.pooled_width;
       const auto box = geometry::roi_pool_box_at(rois, k, scale, sh.batch, sh.pooled_height, sh.pooled_width);
