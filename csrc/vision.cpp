@@ -369,9 +369,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("batch_size"), py::arg("channels"), py::arg("height"), py::arg("width"));
   m.def("with_cuda", &detops::ops::with_cuda, "whether CUDA kernels were compiled in");
   def_choice<detops::ops::RoIKernel>(
-      m, "_set_roi_kernel", "kernel", {"auto", "band", "gather"}, &detops::ops::set_roi_kernel,
-      "choose the CUDA roi_align / roi_pool kernels for NCHW input ('auto', 'band', 'gather'); "
-      "returns the previous choice");
+      m, "_set_roi_kernel", "kernel", {"auto", "band", "gather", "tiled", "generic"},
+      &detops::ops::set_roi_kernel,
+      "choose the CUDA roi_align / roi_pool kernels ('auto', 'band', 'gather'; 'tiled' and 'generic' "
+      "force roi_align's gathers where they take the shapes); returns the previous choice");
   def_choice<detops::ops::CpuVector>(
       m, "_set_cpu_vector", "choice", {"auto", "sse2", "scalar", "avx2", "avx512"},
       &detops::ops::set_cpu_vector,

@@ -920,7 +920,7 @@ def test_cuda_generic_kernels_for_many_bins(dtype):
 def test_roi_kernel_choice_is_checked():
     from detops.ops._utils import roi_kernel
 
-    with pytest.raises(RuntimeError, match="kernel must be 'auto', 'band' or 'gather', got 'planes'"):
+    with pytest.raises(RuntimeError, match="kernel must be 'auto', 'band', 'gather', 'tiled' or 'generic', got 'planes'"):
         with roi_kernel("planes"):
             pass
     with roi_kernel("band"):

@@ -10,13 +10,18 @@
 namespace detops {
 namespace ops {
 
-// Which CUDA kernels roi_align and roi_pool use for NCHW input. kAuto (the default) stages bands
-// (roi_pool's forward: tiles) of each feature plane in shared memory when the RoIs are dense
-// enough that a plane would be read several times over, and gathers from global memory
-// otherwise; kBand stages whenever the shapes allow it; kGather never stages. The kernels agree
-// to rounding (roi_pool exactly). Read by the selection functions of csrc/cuda/roi_align.cu and
+// Which CUDA kernels roi_align and roi_pool use. kAuto (the default) stages bands (roi_pool's
+// forward: tiles) of each feature plane in shared memory when the RoIs are dense enough that a
+// plane would be read several times over, and gathers from global memory otherwise; kBand
+// stages whenever the shapes allow it (NCHW input for roi_align's forward); kGather never
+// stages. kTiled and kGeneric force one of roi_align's gathers, forward and backward: the tiled
+// kernels (a block per RoI and run of channels) where they can take the shapes, the generic
+// ones (a thread per element) always; where kTiled cannot take the shapes, and in roi_pool,
+// which has neither kernel, the selection makes its kAuto choice. The deterministic backwards
+// are chosen by torch.use_deterministic_algorithms alone. The kernels agree to rounding
+// (roi_pool exactly). Read by the selection functions of csrc/cuda/roi_align.cu and
 // csrc/cuda/roi_pool.cu.
-enum class RoIKernel : int { kAuto = 0, kBand = 1, kGather = 2 };
+enum class RoIKernel : int { kAuto = 0, kBand = 1, kGather = 2, kTiled = 3, kGeneric = 4 };
 RoIKernel roi_kernel();
 RoIKernel set_roi_kernel(RoIKernel choice);  // returns the previous choice
 

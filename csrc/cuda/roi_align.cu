@@ -428,10 +428,19 @@ bool nhwc_takes(const at::Tensor& input, const RoIAlignShape& s) {
   return s.channels >= 32 && sample_estimate >= 8 * input.numel();
 }
 
-// The forward's kernel for these shapes, layout and dtype; roi_kernel() (a test and benchmark
-// setting) forces the band kernels on or off where they can take the shapes.
-RoIAlignForwardKernel select_forward(const at::Tensor& input, const RoIAlignShape& s) {
+// roi_kernel() (a test and benchmark setting), kAuto in place of a forced kTiled that cannot
+// take the shapes. kGeneric takes every shape.
+RoIKernel forced_choice(const RoIAlignShape& s) {
   const RoIKernel choice = roi_kernel();
+  return choice == RoIKernel::kTiled && !tiled_takes(s) ? RoIKernel::kAuto : choice;
+}
+
+// The forward's kernel for these shapes, layout and dtype; forced_choice() forces a gather, or
+// the band kernels on or off where they can take the shapes.
+RoIAlignForwardKernel select_forward(const at::Tensor& input, const RoIAlignShape& s) {
+  const RoIKernel choice = forced_choice(s);
+  if (choice == RoIKernel::kTiled) return RoIAlignForwardKernel::kTiled;
+  if (choice == RoIKernel::kGeneric) return RoIAlignForwardKernel::kGeneric;
   if (choice != RoIKernel::kGather && input.is_contiguous() && roi_align_band_takes(s, input.element_size()) &&
       (choice == RoIKernel::kBand || roi_align_band_forward_pays(s))) {
     return roi_align_band_forward_swizzled_takes(s) ? RoIAlignForwardKernel::kBandSwizzled
@@ -446,7 +455,9 @@ RoIAlignForwardKernel select_forward(const at::Tensor& input, const RoIAlignShap
 // else by shapes and dtype as in select_forward.
 RoIAlignBackwardKernel select_backward(const RoIAlignShape& s) {
   if (at::globalContext().deterministicAlgorithms()) return RoIAlignBackwardKernel::kDeterministic;
-  const RoIKernel choice = roi_kernel();
+  const RoIKernel choice = forced_choice(s);
+  if (choice == RoIKernel::kTiled) return RoIAlignBackwardKernel::kTiled;
+  if (choice == RoIKernel::kGeneric) return RoIAlignBackwardKernel::kGeneric;
   const int64_t acc_bytes = static_cast<int64_t>(at::elementSize(at::toOpMathType(s.dtype)));
   if (choice != RoIKernel::kGather && roi_align_band_takes(s, acc_bytes) &&
       (choice == RoIKernel::kBand || roi_align_band_backward_pays(s))) {

@@ -363,7 +363,9 @@ void launch_backward_atomic(
 }
 
 // The forward's kernel for these shapes and layout; roi_kernel() (a test and benchmark
-// setting) forces the tile kernel on or off where it can take the shapes.
+// setting) forces the tile kernel on (kBand) or off (kGather) where it can take the shapes.
+// kTiled and kGeneric name roi_align's gathers, which roi_pool does not have: they choose as
+// kAuto does.
 RoIPoolForwardKernel select_forward(const at::Tensor& input, const RoIPoolShape& s) {
   const RoIKernel choice = roi_kernel();
   if (choice != RoIKernel::kGather && roi_pool_tile_takes(s) &&
@@ -375,7 +377,7 @@ RoIPoolForwardKernel select_forward(const at::Tensor& input, const RoIPoolShape&
 }
 
 // The backward's kernel: the deterministic one under torch.use_deterministic_algorithms(True),
-// else by shapes as in select_forward.
+// else by shapes and roi_kernel() as in select_forward.
 RoIPoolBackwardKernel select_backward(const RoIPoolShape& s) {
   if (at::globalContext().deterministicAlgorithms()) return RoIPoolBackwardKernel::kDeterministic;
   const RoIKernel choice = roi_kernel();

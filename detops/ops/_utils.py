@@ -44,10 +44,15 @@ def boxes_to_rois(boxes: Union[Tensor, List[Tensor]], op: str) -> Tensor:
 def roi_kernel(name: str) -> Iterator[None]:
     """Within the block, roi_align and roi_pool on CUDA use the chosen kernels: 'auto' (the
     default: shared-memory kernels for dense RoIs, global gathers otherwise), 'band' (the
-    shared-memory kernels whenever the shapes allow) or 'gather' (never them). The
-    shared-memory kernels are plane bands for NCHW input (roi_align, and roi_pool's backward)
-    and channel tiles for any layout (roi_pool's forward). Process-wide; for benchmarks and
-    tests that compare the kernels."""
+    shared-memory kernels whenever the shapes allow) or 'gather' (never them); 'tiled' and
+    'generic' force one of roi_align's gathers, forward and backward: the tiled kernels (a
+    block per RoI and run of channels, any input layout) where they can take the shapes, else
+    the 'auto' choice, and the generic ones (a thread per element) always. roi_pool has no
+    tiled or generic kernels and chooses as under 'auto' for those two. The shared-memory
+    kernels are plane bands for NCHW input (roi_align, and roi_pool's backward) and channel
+    tiles for any layout (roi_pool's forward). The deterministic backwards
+    (torch.use_deterministic_algorithms) are chosen whatever the setting. Process-wide; for
+    benchmarks and tests that compare the kernels."""
     from detops import _C
 
     previous = _C._set_roi_kernel(name)
