@@ -11,6 +11,11 @@ Mechanisms (the names --only takes):
   backward alone and forward+backward; float32, float16 and bfloat16; 7x7 and 14x14; NCHW and
   channels_last maps; bench_roi's 2x256x200x304 map with 1024 RoIs. Both choices' outputs and
   gradients are checked against torchvision's, computed in float32, before timing.
+- nhwc_conversion (CUDA): roi_align's forward on an NCHW map whose samples far outnumber its
+  elements (adaptive sampling ratio, 14x14 bins, bench_roi's map and RoIs), where the default
+  choice converts the map to channels_last and runs the NHWC kernel, against 'tiled', the NCHW
+  tiled gather on the map in place. float32, float16 and bfloat16; outputs checked against
+  torchvision's first.
 - cuda_graphs (CUDA): a Mask R-CNN R-50-FPN training step (bench_detector's model and inputs,
   batch 2 and 8, the model NCHW and channels_last) with the detector's CUDA graph runners at
   their settings (the backbone's `backbone_graphs`, the RPN's `target_graphs`, the box head's
@@ -209,6 +214,32 @@ def roi_kernel_rows(device: str, quick: bool, results: List[Result]) -> None:
                         emit(results, Result("roi_kernel", case, with_ms, without_ms))
 
 
+# --- nhwc_conversion (CUDA) -----------------------------------------------------------------------
+
+
+def nhwc_conversion_rows(device: str, quick: bool, results: List[Result]) -> None:
+    from detops.ops._utils import roi_kernel
+
+    if quick:
+        shape, k, dtypes, runs = (1, 32, 50, 76), 256, ["fp32"], Runs(2, 3, 1)
+    else:
+        shape, k, dtypes, runs = (2, 256, 200, 304), 1024, list(DTYPES), Runs(3, 15, 3)
+    size = 14
+    ours = lambda a, r: detops.ops.roi_align(a, r, size, 0.25, -1, True)  # noqa: E731
+    theirs = lambda a, r: torchvision.ops.roi_align(a, r, size, 0.25, -1, True)  # noqa: E731
+    settings = [functools.partial(roi_kernel, "auto"), functools.partial(roi_kernel, "tiled")]
+    for dname in dtypes:
+        x, rois = _inputs(device, DTYPES[dname], *shape, k)
+        tol = 1e-4 if x.dtype == torch.float32 else 3e-2
+        for choice in ("auto", "tiled"):
+            with roi_kernel(choice):
+                got = ours(x, rois).float()
+            torch.testing.assert_close(got, theirs(x.float(), rois.float()), rtol=tol, atol=tol)
+        with_ms, without_ms = alternate(lambda: ours(x, rois), settings, device, runs)
+        case = f"roi_align fwd, {dname}, {size}x{size}, adaptive sampling, NCHW: auto (converted) vs tiled"
+        emit(results, Result("nhwc_conversion", case, with_ms, without_ms))
+
+
 # --- cuda_graphs (CUDA) ---------------------------------------------------------------------------
 
 
@@ -393,6 +424,7 @@ def cpu_output_cache_rows(device: str, quick: bool, results: List[Result]) -> No
 
 MECHANISMS: Dict[str, Tuple[str, Callable[[str, bool, List[Result]], None]]] = {
     "roi_kernel": ("cuda", roi_kernel_rows),
+    "nhwc_conversion": ("cuda", nhwc_conversion_rows),
     "cuda_graphs": ("cuda", cuda_graph_rows),
     "cpu_vector": ("cpu", cpu_vector_rows),
     "cpu_output_cache": ("cpu", cpu_output_cache_rows),
