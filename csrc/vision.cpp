@@ -405,6 +405,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "_cpu_output_cache_bytes", []() { return static_cast<int64_t>(detops::cpu::OutputCache::get().kept_bytes()); },
       "bytes of freed CPU output buffers kept for reuse now");
+  m.def(
+      "_set_nms_kernel",
+      [](const std::string& rank, const std::string& pass) {
+        static const std::vector<std::string> ranks{"auto", "count", "radix", "sort"};
+        static const std::vector<std::string> passes{"auto", "block", "dataflow"};
+        const auto find = [](const std::vector<std::string>& names, const std::string& name,
+                             const char* arg) {
+          std::string listed;
+          for (size_t i = 0; i < names.size(); ++i) {
+            if (name == names[i]) return static_cast<int>(i);
+            listed += (i == 0 ? "'" : i + 1 == names.size() ? " or '" : ", '") + names[i] + "'";
+          }
+          DETOPS_CHECK(false, "detops._C._set_nms_kernel: ", arg, " must be ", listed, ", got '", name, "'");
+          return -1;
+        };
+        const int r = find(ranks, rank, "rank"), p = find(passes, pass, "pass_");
+        const detops::ops::NmsKernel previous = detops::ops::set_nms_kernel(
+            {static_cast<detops::ops::NmsRankChoice>(r), static_cast<detops::ops::NmsPassChoice>(p)});
+        return std::make_tuple(
+            ranks[static_cast<size_t>(previous.rank)], passes[static_cast<size_t>(previous.pass)]);
+      },
+      "choose the CUDA NMS kernels: rank ('auto', 'count', 'radix', 'sort'; nms_padded: 'count' "
+      "or 'sort') and nms / batched_nms's greedy pass ('auto', 'block', 'dataflow'); a choice the "
+      "input cannot take falls back to the automatic one. Returns the previous (rank, pass)",
+      py::arg("rank") = "auto", py::arg("pass_") = "auto");
   m.def("torch_version", []() { return std::string(DETOPS_TORCH_VERSION); },
         "the torch version this extension was built against");
 }

@@ -5,6 +5,7 @@
 // detops._C._set_deterministic_pass_limits. The settings live in csrc/vision.cpp.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 namespace detops {
@@ -46,6 +47,47 @@ struct DeterministicPassLimits {
 };
 DeterministicPassLimits deterministic_pass_limits();
 DeterministicPassLimits set_deterministic_pass_limits(DeterministicPassLimits limits);  // returns the previous
+
+// Which CUDA kernels nms / batched_nms (csrc/cuda/nms.cu) and nms_padded (csrc/cuda/nms_padded.cu)
+// use, so that tests can run every variant on the same input. `rank` is how boxes are ranked by
+// score: kCount (count, for each box, the boxes ahead of it), kRadix (cub's radix sort of 32-bit
+// score keys; nms and batched_nms only) or kSort (torch's stable sort). `pass` is nms's greedy
+// pass: kBlock (one block) or kDataflow (the cooperative kernel); nms_padded has one pass.
+// kAuto (the default) is the selection's own choice. A forced choice the input cannot take falls
+// back to the selection's own choice: kCount needs scores of the boxes' dtype, not float64, and at
+// most nms_rank::kMaxCountRank boxes (batched_nms: fewer where shared memory is short; nms_padded:
+// per image); kRadix needs scores that are not float64 (nms_padded has no radix sort: kRadix is
+// kAuto there); kBlock needs nms (not batched_nms) and at most kMaxBlockPass boxes (4096) whose
+// words fit the block's shared memory. Every variant gives the same indices.
+// Python: detops._C._set_nms_kernel(rank, pass_) (detops.ops._utils.nms_kernel wraps it). The
+// setting is stored here (inline), not in csrc/vision.cpp.
+enum class NmsRankChoice : int { kAuto = 0, kCount = 1, kRadix = 2, kSort = 3 };
+enum class NmsPassChoice : int { kAuto = 0, kBlock = 1, kDataflow = 2 };
+struct NmsKernel {
+  NmsRankChoice rank = NmsRankChoice::kAuto;
+  NmsPassChoice pass = NmsPassChoice::kAuto;
+};
+
+namespace detail {
+// rank in the low byte, pass in the next: one atomic word, so a pair is read and set at once
+inline std::atomic<int>& nms_kernel_word() {
+  static std::atomic<int> word{0};
+  return word;
+}
+inline NmsKernel nms_kernel_from(int word) {
+  return {static_cast<NmsRankChoice>(word & 0xff), static_cast<NmsPassChoice>((word >> 8) & 0xff)};
+}
+}  // namespace detail
+
+inline NmsKernel nms_kernel() {
+  return detail::nms_kernel_from(detail::nms_kernel_word().load(std::memory_order_relaxed));
+}
+
+// returns the previous choice
+inline NmsKernel set_nms_kernel(NmsKernel choice) {
+  const int word = static_cast<int>(choice.rank) | (static_cast<int>(choice.pass) << 8);
+  return detail::nms_kernel_from(detail::nms_kernel_word().exchange(word));
+}
 
 }  // namespace ops
 }  // namespace detops

@@ -35,6 +35,7 @@
 
 #include "../common/box_iou.h"
 #include "../common/checks.h"
+#include "../common/kernel_choice.h"
 #include "cuda_helpers.h"
 #include "nms_rank.cuh"
 #include "nms_tile.cuh"
@@ -807,11 +808,26 @@ int64_t max_count_rank_batched(const cudaDeviceProp* props) {
 // sort of 32-bit keys; float64 scores by torch's stable sort.
 enum class NmsRank { kCount, kRadixSort, kTorchSort };
 
+// A ranking forced by set_nms_kernel (common/kernel_choice.h) is taken where the input allows
+// it; otherwise, and under kAuto, the selection's own choice.
 NmsRank select_rank(int64_t n, bool batched, at::ScalarType boxes, at::ScalarType scores, const cudaDeviceProp* props) {
-  if (n <= (batched ? max_count_rank_batched(props) : kMaxCountRank) && scores == boxes && boxes != at::kDouble) {
-    return NmsRank::kCount;
+  const bool count_takes =
+      n <= (batched ? max_count_rank_batched(props) : kMaxCountRank) && scores == boxes && boxes != at::kDouble;
+  const bool radix_takes = scores != at::kDouble;
+  switch (nms_kernel().rank) {
+    case NmsRankChoice::kCount:
+      if (count_takes) return NmsRank::kCount;
+      break;
+    case NmsRankChoice::kRadix:
+      if (radix_takes) return NmsRank::kRadixSort;
+      break;
+    case NmsRankChoice::kSort:
+      return NmsRank::kTorchSort;
+    case NmsRankChoice::kAuto:
+      break;
   }
-  if (scores != at::kDouble) return NmsRank::kRadixSort;
+  if (count_takes) return NmsRank::kCount;
+  if (radix_takes) return NmsRank::kRadixSort;
   return NmsRank::kTorchSort;
 }
 
@@ -820,11 +836,12 @@ NmsRank select_rank(int64_t n, bool batched, at::ScalarType boxes, at::ScalarTyp
 // dataflow kernel.
 enum class NmsPass { kBlock, kDataflow };
 
+// A pass forced by set_nms_kernel (common/kernel_choice.h) is taken where the input allows it.
 NmsPass select_pass(int64_t n, bool batched, const cudaDeviceProp* props) {
-  if (!batched && n <= kMaxBlockPass && block_pass_smem(n) + 8 * 1024 <= props->sharedMemPerBlockOptin) {
-    return NmsPass::kBlock;
-  }
-  return NmsPass::kDataflow;
+  const bool block_takes =
+      !batched && n <= kMaxBlockPass && block_pass_smem(n) + 8 * 1024 <= props->sharedMemPerBlockOptin;
+  if (nms_kernel().pass == NmsPassChoice::kDataflow) return NmsPass::kDataflow;
+  return block_takes ? NmsPass::kBlock : NmsPass::kDataflow;
 }
 
 template <bool kBatched>

@@ -36,6 +36,7 @@
 #include <tuple>
 
 #include "../common/box_iou.h"
+#include "../common/kernel_choice.h"
 #include "../common/nms_padded_checks.h"
 #include "cuda_helpers.h"
 #include "nms_rank.cuh"
@@ -396,8 +397,11 @@ void launch_rank<double>(
 // have the boxes' dtype, float precision or less; else by torch's stable sort of the keys.
 enum class PaddedRank { kCount, kTorchSort };
 
+// A forced kSort (set_nms_kernel, common/kernel_choice.h) is always taken, a forced kCount where
+// the input allows it; kAuto and kRadix: the selection's own choice.
 PaddedRank select_rank(int64_t batch, int64_t n, at::ScalarType boxes, at::ScalarType scores) {
   const int64_t groups = cuda::ceil_div(n, 32);
+  if (nms_kernel().rank == NmsRankChoice::kSort) return PaddedRank::kTorchSort;
   if (n <= nms_rank::kMaxCountRank && scores == boxes && scores != at::kDouble &&
       batch <= std::numeric_limits<int32_t>::max() / groups) {
     return PaddedRank::kCount;

@@ -78,3 +78,22 @@ def cpu_vector(name: str) -> Iterator[None]:
         yield
     finally:
         _C._set_cpu_vector(previous)
+
+
+@contextlib.contextmanager
+def nms_kernel(rank: str = "auto", pass_: str = "auto") -> Iterator[None]:
+    """Within the block, nms, batched_nms and nms_padded on CUDA use the chosen kernels.
+    `rank`, how boxes are ranked by score: 'auto' (the default: counting for up to 8192 boxes
+    whose scores have the boxes' dtype, not float64; else a radix sort of the scores, or torch's
+    sort for float64 scores), 'count', 'radix' (nms and batched_nms only) or 'sort' (torch's
+    stable sort). `pass_`, nms's greedy pass: 'auto' (one block for nms up to 4096 boxes, the
+    cooperative dataflow kernel otherwise), 'block' or 'dataflow'. A choice the input cannot take
+    falls back to the automatic one. Process-wide; for benchmarks and tests that compare the
+    kernels, which give the same indices. The CPU kernels ignore it."""
+    from detops import _C
+
+    previous = _C._set_nms_kernel(rank, pass_)
+    try:
+        yield
+    finally:
+        _C._set_nms_kernel(*previous)
