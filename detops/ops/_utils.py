@@ -2,21 +2,59 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import operator
 from typing import Iterator, List, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 
+def as_int(value, op: str, name: str) -> int:
+    """`value` as an int: an int, an integer scalar (numpy, 0-dim tensor) or a float with an
+    integral value; anything else (2.5, NaN, a string) is an error that names op and name, not
+    a silent truncation."""
+    if isinstance(value, int):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        pass
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: {name} must be an int, got {value!r}") from None
+    if not math.isfinite(v) or v != math.floor(v):
+        raise ValueError(f"{op}: {name} must be an integer, got {value!r}")
+    return int(v)
+
+
+def as_float(value, op: str, name: str) -> float:
+    """`value` as a float, with an error that names op and name for what has no float value."""
+    if isinstance(value, float):
+        return value
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{op}: {name} must be a number, got {value!r}") from None
+
+
 def pair(size: Union[int, Sequence[int]], op: str, name: str = "output_size") -> Tuple[int, int]:
-    """(h, w) from an int or a pair, with a clear error for anything else."""
+    """(h, w) from an int or a pair of ints, with a clear error for anything else."""
     if isinstance(size, int):
         return size, size
     try:
         h, w = size
     except (TypeError, ValueError):
         raise ValueError(f"{op}: {name} must be an int or a pair of ints, got {size!r}") from None
-    return int(h), int(w)
+    try:
+        return as_int(h, op, name), as_int(w, op, name)
+    except (TypeError, ValueError):
+        raise ValueError(f"{op}: {name} must be an int or a pair of ints, got {size!r}") from None
 
 
 def boxes_to_rois(boxes: Union[Tensor, List[Tensor]], op: str) -> Tensor:
@@ -32,6 +70,11 @@ def boxes_to_rois(boxes: Union[Tensor, List[Tensor]], op: str) -> Tensor:
             raise ValueError(f"{op}: boxes[{i}] must be a [L, 4] tensor, got {shape}")
     if len(boxes) == 0:
         raise ValueError(f"{op}: boxes is an empty list; pass one [L, 4] tensor per image")
+    for i, b in enumerate(boxes):
+        if b.device != boxes[0].device:
+            raise ValueError(
+                f"{op}: boxes[{i}] must be on the device of boxes[0], got {b.device} and {boxes[0].device}"
+            )
     cat = torch.cat(list(boxes), dim=0)
     idx = torch.cat(
         [torch.full((b.size(0), 1), i, dtype=cat.dtype, device=cat.device) for i, b in enumerate(boxes)],

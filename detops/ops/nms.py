@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._utils import as_float
+
 __all__ = ["nms", "batched_nms"]
 
 
@@ -30,7 +32,7 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float) -> Tensor:
         Tensor[K] int64: indices of the kept boxes by decreasing score; equal scores keep their
         original order.
     """
-    return torch.ops.detops.nms(boxes, scores, float(iou_threshold))
+    return torch.ops.detops.nms(boxes, scores, as_float(iou_threshold, "detops.nms", "iou_threshold"))
 
 
 def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float) -> Tensor:
@@ -48,10 +50,16 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
     Returns:
         Tensor[K] int64: indices of the kept boxes by decreasing score (ties: original order).
     """
-    return torch.ops.detops.batched_nms(boxes, scores, idxs, float(iou_threshold))
+    return torch.ops.detops.batched_nms(
+        boxes, scores, idxs, as_float(iou_threshold, "detops.batched_nms", "iou_threshold")
+    )
 
 
 def _check_fake_nms(op: str, boxes: Tensor, scores: Tensor) -> None:
+    torch._check(
+        boxes.device == scores.device,
+        lambda: f"{op}: boxes and scores must be on the same device, got {boxes.device} and {scores.device}",
+    )
     torch._check(
         boxes.dim() == 2 and boxes.size(1) == 4,
         lambda: f"{op}: boxes must be a [N, 4] tensor, got {list(boxes.shape)}",
@@ -74,5 +82,9 @@ def _nms_fake(boxes: Tensor, scores: Tensor, iou_threshold: float) -> Tensor:
 def _batched_nms_fake(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float) -> Tensor:
     _check_fake_nms("detops.batched_nms", boxes, scores)
     torch._check(idxs.dim() == 1 and idxs.size(0) == boxes.size(0), lambda: "detops.batched_nms: idxs must be a [N] tensor")
+    torch._check(
+        idxs.device == boxes.device,
+        lambda: f"detops.batched_nms: boxes and idxs must be on the same device, got {boxes.device} and {idxs.device}",
+    )
     n = torch.library.get_ctx().new_dynamic_size()
     return boxes.new_empty(n, dtype=torch.int64)

@@ -6,6 +6,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from ._utils import as_float, as_int
+
 __all__ = ["nms_padded"]
 
 _OP = "detops.nms_padded"
@@ -52,7 +54,13 @@ def nms_padded(
         by decreasing score, then -1 up to `max_output`;
         counts (Tensor[B] int64): the number of valid (non -1) entries of each row.
     """
-    return torch.ops.detops.nms_padded(boxes, scores, float(iou_threshold), float(score_threshold), int(max_output))
+    return torch.ops.detops.nms_padded(
+        boxes,
+        scores,
+        as_float(iou_threshold, _OP, "iou_threshold"),
+        as_float(score_threshold, _OP, "score_threshold"),
+        as_int(max_output, _OP, "max_output"),
+    )
 
 
 @torch.library.register_fake("detops::nms_padded")
@@ -69,6 +77,10 @@ def _nms_padded_fake(
         lambda: f"{_OP}: boxes [B, N, 4] and scores [B, N] must agree in B and N",
     )
     torch._check(max_output >= 0, lambda: f"{_OP}: max_output must be >= 0, got {max_output}")
+    torch._check(
+        boxes.device == scores.device,
+        lambda: f"{_OP}: boxes and scores must be on the same device, got {boxes.device} and {scores.device}",
+    )
     batch = boxes.size(0)
     return (
         boxes.new_empty((batch, max_output), dtype=torch.int64),

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ._utils import boxes_to_rois, pair
+from ._utils import as_int, boxes_to_rois, pair
 from .roi_align import roi_align
 
 __all__ = ["LevelMapper", "MultiScaleRoIAlign", "infer_scale"]
@@ -47,12 +47,16 @@ class LevelMapper:
         self.eps = eps
 
     def __call__(self, boxlists: List[Tensor]) -> Tensor:
-        """Level index (0 for k_min) of every box of every image, int64 [sum L_i]."""
+        """Level index (0 for k_min) of every box of every image, int64 [sum L_i]; -1 for a box
+        with no level: one whose area is negative or NaN (x2 < x1 in one axis, a NaN
+        coordinate)."""
         boxes = torch.cat(boxlists, 0)
         area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
         s = torch.sqrt(area)
         target = torch.floor(self.lvl0 + torch.log2(s / self.s0) + torch.tensor(self.eps, dtype=s.dtype))
         target = torch.clamp(target, min=self.k_min, max=self.k_max)
+        # NaN has no integer value (its conversion is undefined): such boxes get -1
+        target = torch.nan_to_num(target, nan=self.k_min - 1)
         return (target.to(torch.int64) - self.k_min).to(torch.int64)
 
 
@@ -76,7 +80,9 @@ class MultiScaleRoIAlign(nn.Module):
         x (dict[str, Tensor[B, C, H_l, W_l]]): feature maps.
         boxes (list[Tensor[L_i, 4]]): boxes of each image, x1, y1, x2, y2 in image coordinates.
         image_shapes (list[(int, int)]): (height, width) of each image before batching.
-        Returns Tensor[sum L_i, C, out_h, out_w], in the order of the boxes.
+        Returns Tensor[sum L_i, C, out_h, out_w], in the order of the boxes. With several
+        levels, a box whose area is negative or NaN has no level and pools to zeros (as in
+        torchvision); with one level every box is pooled from it.
 
     In training mode (``module.train()``) on CUDA the forward makes no host sync (see the
     module docstring); the values are the same.
@@ -96,7 +102,7 @@ class MultiScaleRoIAlign(nn.Module):
             raise ValueError("detops.MultiScaleRoIAlign: featmap_names must be a non-empty list of names")
         self.featmap_names = list(featmap_names)
         self.output_size = pair(output_size, "detops.MultiScaleRoIAlign")
-        self.sampling_ratio = sampling_ratio
+        self.sampling_ratio = as_int(sampling_ratio, "detops.MultiScaleRoIAlign", "sampling_ratio")
         self.canonical_scale = canonical_scale
         self.canonical_level = canonical_level
         self.scales: Optional[List[float]] = None
@@ -125,6 +131,18 @@ class MultiScaleRoIAlign(nn.Module):
         if missing:
             raise KeyError(f"detops.MultiScaleRoIAlign: feature maps {missing} not in the input (have {list(x)})")
         features = [x[k] for k in self.featmap_names]
+        if not isinstance(boxes, (list, tuple)):
+            raise TypeError(
+                f"detops.MultiScaleRoIAlign: boxes must be a list of Tensor[L, 4], one per image, got {type(boxes).__name__}"
+            )
+        for i, b in enumerate(boxes):
+            if isinstance(b, Tensor) and b.device != features[0].device:
+                raise ValueError(
+                    f"detops.MultiScaleRoIAlign: boxes[{i}] must be on the device of the feature maps, "
+                    f"got {b.device} and {features[0].device}"
+                )
+            if isinstance(b, Tensor) and not b.is_floating_point():
+                raise ValueError(f"detops.MultiScaleRoIAlign: boxes[{i}] must be a float tensor, got {b.dtype}")
         self.setup_scales(features, image_shapes)
         assert self.scales is not None and self.map_levels is not None
         rois = boxes_to_rois(boxes, "detops.MultiScaleRoIAlign")
@@ -137,10 +155,16 @@ class MultiScaleRoIAlign(nn.Module):
             return self._forward_without_sync(features, rois, levels)
         num_levels = len(features)
         order = torch.argsort(levels, stable=True)
-        counts = torch.bincount(levels, minlength=num_levels).tolist()  # the one host sync
+        # boxes without a level (-1) come first and pool to zeros
+        counts = torch.bincount(levels + 1, minlength=num_levels + 1).tolist()  # the one host sync
         sorted_rois = rois.index_select(0, order)
-        pooled = []
-        for feature, scale, chunk in zip(features, self.scales, sorted_rois.split(counts)):
+        chunks = sorted_rois.split(counts)
+        # the boxes without a level pooled far off the finest map: exact zeros, from the op
+        # itself (which checks the arguments as for any chunk)
+        far = -8.0 / min(self.scales) - 8.0
+        nowhere = torch.cat([chunks[0][:, :1], torch.full_like(chunks[0][:, 1:], far)], 1)
+        pooled = [roi_align(features[0], nowhere, self.output_size, self.scales[0], self.sampling_ratio)]
+        for feature, scale, chunk in zip(features, self.scales, chunks[1:]):
             pooled.append(roi_align(feature, chunk, self.output_size, scale, self.sampling_ratio))
         stacked = torch.cat(pooled, 0)
         result = torch.empty(

@@ -19,7 +19,7 @@ from typing import List, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ._utils import boxes_to_rois, pair
+from ._utils import as_float, as_int, boxes_to_rois, pair
 
 __all__ = ["roi_align", "RoIAlign"]
 
@@ -58,7 +58,13 @@ def roi_align(
     ph, pw = pair(output_size, _OP)
     rois = boxes_to_rois(boxes, _OP)
     return torch.ops.detops.roi_align.default(
-        input, rois, float(spatial_scale), ph, pw, int(sampling_ratio), bool(aligned)
+        input,
+        rois,
+        as_float(spatial_scale, _OP, "spatial_scale"),
+        ph,
+        pw,
+        as_int(sampling_ratio, _OP, "sampling_ratio"),
+        bool(aligned),
     )
 
 
@@ -78,8 +84,8 @@ class RoIAlign(nn.Module):
     ) -> None:
         super().__init__()
         self.output_size = pair(output_size, _OP)
-        self.spatial_scale = float(spatial_scale)
-        self.sampling_ratio = int(sampling_ratio)
+        self.spatial_scale = as_float(spatial_scale, _OP, "spatial_scale")
+        self.sampling_ratio = as_int(sampling_ratio, _OP, "sampling_ratio")
         self.aligned = bool(aligned)
 
     def forward(self, input: Tensor, rois: Union[Tensor, List[Tensor]]) -> Tensor:
@@ -96,7 +102,11 @@ class RoIAlign(nn.Module):
 # --- fake (meta) kernels for torch.compile / export --------------------------------------------
 
 
-def _check_fake_common(op: str, rois: Tensor, ph: int, pw: int) -> None:
+def _check_fake_common(op: str, arg: str, t: Tensor, rois: Tensor, ph: int, pw: int) -> None:
+    torch._check(
+        t.device == rois.device,
+        lambda: f"{op}: {arg} and rois must be on the same device, got {t.device} and {rois.device}",
+    )
     torch._check(
         rois.dim() == 2 and rois.size(1) == 5,
         lambda: f"{op}: rois must be a [K, 5] tensor, got {list(rois.shape)}",
@@ -109,7 +119,7 @@ def _roi_align_fake(
     input: Tensor, rois: Tensor, spatial_scale: float, pooled_height: int, pooled_width: int, sampling_ratio: int, aligned: bool
 ) -> Tensor:
     torch._check(input.dim() == 4, lambda: f"{_OP}: input must be a [B, C, H, W] tensor, got {list(input.shape)}")
-    _check_fake_common(_OP, rois, pooled_height, pooled_width)
+    _check_fake_common(_OP, "input", input, rois, pooled_height, pooled_width)
     torch._check(input.dtype == rois.dtype, lambda: f"{_OP}: input and rois must have the same dtype, got {input.dtype} and {rois.dtype}")
     return input.new_empty((rois.size(0), input.size(1), pooled_height, pooled_width))
 
@@ -129,7 +139,7 @@ def _roi_align_backward_fake(
     aligned: bool,
 ) -> Tensor:
     op = "detops._roi_align_backward"
-    _check_fake_common(op, rois, pooled_height, pooled_width)
+    _check_fake_common(op, "grad", grad, rois, pooled_height, pooled_width)
     torch._check(
         grad.dim() == 4
         and grad.size(0) == rois.size(0)

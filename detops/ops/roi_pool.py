@@ -13,7 +13,7 @@ from typing import List, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ._utils import boxes_to_rois, pair
+from ._utils import as_float, boxes_to_rois, pair
 
 __all__ = ["roi_pool", "RoIPool"]
 
@@ -49,7 +49,7 @@ def roi_pool(
     ph, pw = pair(output_size, _OP)
     # roi_pool's output alone: its C++ autograd (csrc/autograd/roi_ops.cpp) runs roi_pool, with
     # argmax saved, when input needs a gradient, and otherwise kernels that skip argmax
-    return torch.ops.detops._roi_pool_values.default(input, rois, float(spatial_scale), ph, pw)
+    return torch.ops.detops._roi_pool_values.default(input, rois, as_float(spatial_scale, _OP, "spatial_scale"), ph, pw)
 
 
 class RoIPool(nn.Module):
@@ -58,7 +58,7 @@ class RoIPool(nn.Module):
     def __init__(self, output_size: Union[int, Sequence[int]], spatial_scale: float) -> None:
         super().__init__()
         self.output_size: Tuple[int, int] = pair(output_size, _OP)
-        self.spatial_scale = float(spatial_scale)
+        self.spatial_scale = as_float(spatial_scale, _OP, "spatial_scale")
 
     def forward(self, input: Tensor, rois: Union[Tensor, List[Tensor]]) -> Tensor:
         return roi_pool(input, rois, self.output_size, self.spatial_scale)
