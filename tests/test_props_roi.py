@@ -1032,7 +1032,7 @@ def test_cuda_every_kernel_is_reached():
         ("auto", _align_call(maps(32, 4, 4), dense(4, 4, k=8), (2, 2), 2, grad=False),
          [r"roi_align_forward_nhwc_kernel"], [r"roi_align_forward_tiled_kernel"]),
         ("tiled", _align_call(x.to(memory_format=torch.channels_last), r, (3, 4), 2),
-         [r"roi_align_forward_tiled_kernel", r"roi_align_backward_tiled_kernel"], [r"nhwc", r"band"]),
+         [r"roi_align_forward_tiled_kernel", r"roi_align_backward_tiled_kernel"], [r"roi_align_forward_nhwc_kernel", r"band"]),
         ("generic", _align_call(x, r, (3, 4), 2),
          [r"roi_align_forward_kernel<", r"roi_align_backward_atomic_kernel"], [r"tiled", r"band"]),
         ("gather", _align_call(x, r, (3, 4), 2),
