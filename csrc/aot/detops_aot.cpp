@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -200,6 +201,23 @@ std::vector<float> scalars(const Param& p, at::Device device) {
   return std::vector<float>(v, v + t.numel());
 }
 
+// attrs[1] and attrs[2] of the RoIAlign entries: sampling_ratio must be a whole number (a
+// float beyond int64, or NaN, has no int64 value), aligned 0 or 1.
+int64_t sampling_ratio_attr(const char* fn, float v) {
+  if (!(std::fabs(v) <= 2147483648.0f) || std::nearbyint(v) != v) {
+    fail(DETOPS_AOT_OP_ERROR, std::string(fn) + ": attrs[1] (sampling_ratio) must be an integer in [-2^31, 2^31], got " +
+                                  std::to_string(v));
+  }
+  return static_cast<int64_t>(v);
+}
+
+bool aligned_attr(const char* fn, float v) {
+  if (v != 0.0f && v != 1.0f) {
+    fail(DETOPS_AOT_OP_ERROR, std::string(fn) + ": attrs[2] (aligned) must be 0 or 1, got " + std::to_string(v));
+  }
+  return v == 1.0f;
+}
+
 void copy_result(const char* fn, const at::Tensor& out, const at::Tensor& result) {
   if (!out.sizes().equals(result.sizes())) {
     fail(DETOPS_AOT_INTERNAL, std::string(fn) + ": the op returned a result of an unexpected shape");
@@ -276,10 +294,7 @@ int DetopsNms(int nparam, void** params, int* ndims, int64_t** shapes, const cha
 
         at::Tensor keep_out = wrap(keep, device);
         at::Tensor count_out = wrap(count, device);
-        if (n == 0) {
-          count_out.fill_(0);
-          return;
-        }
+        // N = 0 too goes through the op, which checks the threshold
         const double threshold = scalars(thr, device)[0];
         at::Tensor kept = detops::ops::nms(wrap(boxes, device), wrap(scores, device), threshold);
         const int64_t k = kept.size(0);
@@ -307,9 +322,11 @@ int DetopsRoIAlignForward(int nparam, void** params, int* ndims, int64_t** shape
         ps.size_is(3, "output", 1, input.shape[1], "the channels of input");
 
         const std::vector<float> a = scalars(attrs, device);
+        const int64_t sampling_ratio = sampling_ratio_attr(fn, a[1]);
+        const bool aligned = aligned_attr(fn, a[2]);
         at::Tensor result = detops::ops::roi_align(
             wrap(input, device), wrap(ps.get(1, "rois", 2), device), a[0], output.shape[2],
-            output.shape[3], static_cast<int64_t>(a[1]), a[2] != 0.0f);
+            output.shape[3], sampling_ratio, aligned);
         copy_result(fn, wrap(output, device), result);
       },
       stream);
@@ -331,10 +348,12 @@ int DetopsRoIAlignBackward(int nparam, void** params, int* ndims, int64_t** shap
         ps.size_is(3, "grad_input", 1, grad.shape[1], "the channels of grad");
 
         const std::vector<float> a = scalars(attrs, device);
+        const int64_t sampling_ratio = sampling_ratio_attr(fn, a[1]);
+        const bool aligned = aligned_attr(fn, a[2]);
         const auto& s = grad_input.shape;
         at::Tensor result = detops::ops::roi_align_backward(
             wrap(grad, device), wrap(ps.get(1, "rois", 2), device), a[0], grad.shape[2],
-            grad.shape[3], s[0], s[1], s[2], s[3], static_cast<int64_t>(a[1]), a[2] != 0.0f);
+            grad.shape[3], s[0], s[1], s[2], s[3], sampling_ratio, aligned);
         copy_result(fn, wrap(grad_input, device), result);
       },
       stream);

@@ -27,8 +27,8 @@
  * DetopsRoIAlignForward (nparam 4)
  *   in   input   float [B, C, H, W]
  *   in   rois    float [K, 5]          (batch index, x1, y1, x2, y2), same dtype as input
- *   in   attrs   float32 [3]           spatial_scale, sampling_ratio (<= 0: adaptive),
- *                                      aligned (0 or 1)
+ *   in   attrs   float32 [3]           spatial_scale, sampling_ratio (an integer;
+ *                                      <= 0: adaptive), aligned (0 or 1)
  *   out  output  float [K, C, PH, PW]  same dtype as input; PH, PW = pooled size
  *
  * DetopsRoIAlignBackward (nparam 4)
@@ -67,7 +67,8 @@ enum DetopsAotStatus {
   DETOPS_AOT_BAD_DTYPE = 3,       /* unknown dtype name, or a dtype the parameter does not take */
   DETOPS_AOT_BAD_SHAPE = 4,       /* wrong rank, negative size, or shapes that disagree */
   DETOPS_AOT_BAD_DEVICE = 5,      /* buffers on different devices, or CUDA without CUDA kernels */
-  DETOPS_AOT_OP_ERROR = 6,        /* the op rejected its inputs (message in DetopsAotLastError) */
+  DETOPS_AOT_OP_ERROR = 6,        /* the op rejected its inputs or an attrs value (message in
+                                     DetopsAotLastError) */
   DETOPS_AOT_INTERNAL = 7         /* any other failure */
 };
 

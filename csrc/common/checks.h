@@ -5,8 +5,13 @@
 
 #include <ATen/ATen.h>
 
+#include <c10/util/safe_numerics.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -105,6 +110,24 @@ inline void check_finite(const char* op, const char* arg, double v) {
   DETOPS_CHECK(std::isfinite(v), op, ": ", arg, " must be a finite number, got ", v);
 }
 
+// A tensor of `sizes` (each >= 0) with `item_bytes` per element must be one torch can describe:
+// its strides and its byte count, the product of max(size, 1) over the dimensions times
+// item_bytes, fit in int64. Otherwise the allocation fails with torch's own message, which
+// names neither the op nor the argument. `args` names the arguments that set the sizes,
+// `what` the tensor, e.g. "output [K, C, PH, PW]".
+inline void check_size_fits(
+    const char* op, const char* args, const char* what, at::IntArrayRef sizes,
+    int64_t item_bytes) {
+  uint64_t bytes = static_cast<uint64_t>(item_bytes);
+  bool overflow = false;
+  for (const int64_t s : sizes) {
+    overflow |= c10::mul_overflows(bytes, static_cast<uint64_t>(s > 1 ? s : 1), &bytes);
+  }
+  DETOPS_CHECK(
+      !overflow && bytes <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), op, ": ",
+      args, " must give ", what, " of at most 2^63 - 1 bytes, got sizes ", sizes);
+}
+
 // What every RoI op asks of its RoI arguments: rois [K, 5] of a float dtype, a positive pooled
 // size and a finite, positive spatial scale.
 inline void check_roi_common(
@@ -123,13 +146,19 @@ inline void check_roi_common(
       ": spatial_scale must be a finite number > 0, got ", spatial_scale);
 }
 
-// Sizes a backward op is asked to produce.
+// Sizes a backward op is asked to produce, at 4 bytes per element or more (the roi_align
+// backward accumulates 16-bit gradients in float32).
 inline void check_grad_input_sizes(
-    const char* op, int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
+    const char* op, int64_t batch_size, int64_t channels, int64_t height, int64_t width,
+    at::ScalarType dtype) {
   DETOPS_CHECK(
       batch_size >= 0 && channels >= 0 && height >= 0 && width >= 0, op,
       ": batch_size, channels, height and width must be >= 0, got ", batch_size, ", ", channels,
       ", ", height, ", ", width);
+  check_size_fits(
+      op, "batch_size, channels, height and width", "a grad_input [B, C, H, W]",
+      {batch_size, channels, height, width},
+      std::max<int64_t>(static_cast<int64_t>(c10::elementSize(dtype)), 4));
 }
 
 // boxes [N, 4], scores [N] (and idxs [N] of an integer dtype), one device, one float dtype.

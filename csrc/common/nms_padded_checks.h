@@ -34,6 +34,7 @@ inline void check_nms_padded_inputs(
       !std::isnan(score_threshold), op, ": score_threshold must be a number (-inf and inf are "
       "allowed), got nan");
   DETOPS_CHECK(max_output >= 0, op, ": max_output must be >= 0, got ", max_output);
+  check_size_fits(op, "max_output", "indices [B, max_output]", {boxes.size(0), max_output}, 8);
 }
 
 }  // namespace checks

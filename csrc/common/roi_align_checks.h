@@ -32,6 +32,10 @@ inline void check_roi_align_inputs(
   check_roi_align_common(op, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio);
   check_same_device(op, "input", input, "rois", rois);
   check_same_dtype(op, "input", input, "rois", rois);
+  check_size_fits(
+      op, "pooled_height and pooled_width", "an output [K, C, PH, PW]",
+      {rois.size(0), input.size(1), pooled_height, pooled_width},
+      static_cast<int64_t>(input.element_size()));
 }
 
 // grad [K, C, PH, PW] for rois [K, 5] and an input of [batch_size, channels, height, width].
@@ -41,7 +45,7 @@ inline void check_roi_align_backward_inputs(
     int64_t height, int64_t width, int64_t sampling_ratio) {
   check_float_tensor(op, "grad", grad);
   check_roi_align_common(op, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio);
-  check_grad_input_sizes(op, batch_size, channels, height, width);
+  check_grad_input_sizes(op, batch_size, channels, height, width, grad.scalar_type());
   DETOPS_CHECK(
       grad.dim() == 4 && grad.size(0) == rois.size(0) && grad.size(1) == channels &&
           grad.size(2) == pooled_height && grad.size(3) == pooled_width,

@@ -173,6 +173,11 @@ inline void check_roi_pool_inputs(
   check_roi_common(op, rois, spatial_scale, pooled_height, pooled_width);
   check_same_device(op, "input", input, "rois", rois);
   check_same_dtype(op, "input", input, "rois", rois);
+  // the output, or argmax (int32) where that is larger
+  check_size_fits(
+      op, "pooled_height and pooled_width", "an output [K, C, PH, PW]",
+      {rois.size(0), input.size(1), pooled_height, pooled_width},
+      std::max<int64_t>(static_cast<int64_t>(input.element_size()), 4));
 }
 
 inline void check_roi_pool_backward_inputs(
@@ -181,7 +186,7 @@ inline void check_roi_pool_backward_inputs(
     int64_t channels, int64_t height, int64_t width) {
   const char* op = "detops.roi_pool backward";
   check_roi_common(op, rois, spatial_scale, pooled_height, pooled_width);
-  check_grad_input_sizes(op, batch_size, channels, height, width);
+  check_grad_input_sizes(op, batch_size, channels, height, width, grad.scalar_type());
   const std::vector<int64_t> want{rois.size(0), channels, pooled_height, pooled_width};
   DETOPS_CHECK(
       grad.sizes() == at::IntArrayRef(want), op, ": grad must be a [K, C, PH, PW] = ",

@@ -271,6 +271,14 @@ at::Tensor checked_rois(const char* op, const at::Tensor& rois, int64_t batch_si
   return r;
 }
 
+// Every batch index checked, where the output is empty and no kernel reads the RoIs.
+void check_batch_indices(const char* op, const at::Tensor& rois, int64_t batch_size) {
+  if (rois.size(0) == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, rois.scalar_type(), "detops.check_batch_indices",
+      [&] { checked_rois<at::opmath_type<scalar_t>>(op, rois, batch_size); });
+}
+
 // Channels per forward item of the NCHW path, and per pass of the backward over one sample.
 constexpr int64_t kChannelBlock = 8;
 // Channels per forward item of the channels_last path (one vector loop).
@@ -438,7 +446,10 @@ at::Tensor roi_align_forward_cpu(
   checks::check_device(kForwardOp, "input", input, at::kCPU);
   at::Tensor output = cpu::empty_output(
       {rois.size(0), input.size(1), pooled_height, pooled_width}, input.options());
-  if (output.numel() == 0) return output;
+  if (output.numel() == 0) {
+    check_batch_indices(kForwardOp, rois, input.size(0));  // as for any output
+    return output;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), kForwardOp, [&] {
     forward_typed<scalar_t>(
         input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned, output);
@@ -643,6 +654,7 @@ at::Tensor roi_align_backward_cpu(
   checks::check_device(kBackwardOp, "grad", grad, at::kCPU);
   const auto acc_dtype = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   if (batch_size * channels * height * width == 0 || rois.size(0) == 0) {
+    check_batch_indices(kBackwardOp, rois, batch_size);  // as for any gradient
     return at::zeros({batch_size, channels, height, width}, grad.options());
   }
   // every element is written by the kernel (its task zeroes its planes first)

@@ -557,10 +557,14 @@ at::Tensor roi_pool_backward_cpu(
       grad, rois_in, argmax_in, spatial_scale, pooled_height, pooled_width, batch_size, channels,
       height, width);
   checks::check_device(op, "grad", grad, at::kCPU);
+  const at::Tensor rois = rois_in.contiguous();
   if (grad.numel() == 0 || batch_size * channels * height * width == 0) {
+    // nothing to add, but a bad batch index is an error as for any gradient
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, grad.scalar_type(), "detops.roi_pool_backward",
+        [&] { batch_indices<scalar_t>(op, rois, batch_size); });
     return at::zeros({batch_size, channels, height, width}, grad.options());
   }
-  const at::Tensor rois = rois_in.contiguous();
   const at::Tensor argmax = argmax_in.contiguous();
   // every element is written by the kernel, each task zeroing its planes first
   at::Tensor grad_input = cpu::empty_output(
