@@ -239,9 +239,13 @@ def categories(draw, n, device):
 def reference_holds(boxes, threshold):
     """Whether detops/reference/nms.py decides like the kernels: its iou_rows maps an infinite
     intersection side to the largest float (nan_to_num), so a pair of boxes with infinite sides
-    gets IoU 0 where the kernels (and torchvision) get NaN, which differs for a negative
-    threshold only (test_reference_nms_infinite_sides_negative_threshold)."""
-    return threshold >= 0 or not bool(torch.isinf(boxes).any())
+    (infinite corners, or finite ones whose difference overflows the IoU's dtype) can get IoU 0
+    where the kernels (and torchvision) get NaN, which differs for a negative threshold only
+    (test_reference_nms_infinite_sides_negative_threshold)."""
+    if threshold >= 0:
+        return True
+    b = boxes.cpu().to(acc_dtype(boxes.dtype))
+    return not bool(torch.isinf(b[..., 2:] - b[..., :2]).any())
 
 
 def torchvision_defines(boxes, scores):
@@ -426,22 +430,26 @@ def test_nms_padded_rows_are_nms_per_image(device, data):
 
 def infinite_side_boxes():
     """Boxes (0, 3k, inf, 3k + 10), k = 0..3, with zero-size boxes between them, equal scores:
-    every pair of the infinite boxes has an infinite intersection and union, IoU NaN."""
+    every pair of the infinite boxes has an infinite intersection and union, IoU NaN. Then two
+    boxes whose width, 6e38, overflows float32: IoU NaN too."""
     rows = []
     for k in range(4):
         rows.append([0.0, 3.0 * k, inf, 3.0 * k + 10])
         rows += [[0.0, 3.0 * k, 0.0, 3.0 * k]] * (10 if k < 3 else 0)
-    return torch.tensor(rows), torch.zeros(len(rows))
+    overflow = torch.tensor([[-3e38, 0.0, 3e38, 10.0], [-3e38, 9.0, 3e38, 19.0]])
+    return [(torch.tensor(rows), torch.zeros(len(rows)), [0, 11, 22, 33]), (overflow, torch.tensor([1.0, 0.5]), [0, 1])]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_nms_infinite_sides_negative_threshold(device):
     # A NaN IoU is never above the threshold, even a negative one: the infinite boxes are all
     # kept; each zero-size box has IoU 0 with the infinite box before it and goes.
-    boxes, scores = infinite_side_boxes()
-    keep = nms(boxes.to(device), scores.to(device), -0.5).cpu()
-    assert keep.tolist() == [0, 11, 22, 33]
-    assert torch.equal(keep, torchvision.ops.nms(boxes, scores, -0.5))
+    for boxes, scores, expected in infinite_side_boxes():
+        keep = nms(boxes.to(device), scores.to(device), -0.5).cpu()
+        assert keep.tolist() == expected
+        assert torch.equal(keep, torchvision.ops.nms(boxes, scores, -0.5))
+        idxs = torch.zeros(boxes.size(0), dtype=torch.int64, device=device)
+        assert batched_nms(boxes.to(device), scores.to(device), idxs, -0.5).tolist() == expected
 
 
 @pytest.mark.xfail(
@@ -449,9 +457,10 @@ def test_nms_infinite_sides_negative_threshold(device):
     reason="detops/reference/nms.py: iou_rows' nan_to_num(nan=0.0) also maps an infinite intersection "
     "side to the largest float, so the IoU of two infinite boxes is 0, not NaN",
 )
-def test_reference_nms_infinite_sides_negative_threshold():
-    boxes, scores = infinite_side_boxes()
-    assert ref.nms(boxes, scores, -0.5).tolist() == [0, 11, 22, 33]
+@pytest.mark.parametrize("case", [0, 1])
+def test_reference_nms_infinite_sides_negative_threshold(case):
+    boxes, scores, expected = infinite_side_boxes()[case]
+    assert ref.nms(boxes, scores, -0.5).tolist() == expected
 
 
 def test_nms_kernel_setting_round_trip():
