@@ -236,18 +236,6 @@ def categories(draw, n, device):
     return laid_out(idxs.to(idx_dtype).to(device), draw(LAYOUTS))
 
 
-def reference_holds(boxes, threshold):
-    """Whether detops/reference/nms.py decides like the kernels: its iou_rows maps an infinite
-    intersection side to the largest float (nan_to_num), so a pair of boxes with infinite sides
-    (infinite corners, or finite ones whose difference overflows the IoU's dtype) can get IoU 0
-    where the kernels (and torchvision) get NaN, which differs for a negative threshold only
-    (test_reference_nms_infinite_sides_negative_threshold)."""
-    if threshold >= 0:
-        return True
-    b = boxes.cpu().to(acc_dtype(boxes.dtype))
-    return not bool(torch.isinf(b[..., 2:] - b[..., :2]).any())
-
-
 def torchvision_defines(boxes, scores):
     """torchvision's CPU nms (float32 / float64, scores of the boxes' dtype) computes the
     same IoU as detops for these inputs, and ranks them alike: no NaN score (torchvision keeps
@@ -299,8 +287,7 @@ def test_nms_matches_reference_and_torchvision(device, data):
     boxes, scores, threshold = data.draw(nms_inputs(device))
     keep = nms(boxes, scores, threshold)
     assert keep.device == boxes.device
-    if reference_holds(boxes, threshold):
-        assert torch.equal(keep.cpu(), ref.nms(boxes.cpu(), scores.cpu(), threshold))
+    assert torch.equal(keep.cpu(), ref.nms(boxes.cpu(), scores.cpu(), threshold))
     check_order(keep, boxes, scores)
     if torchvision_defines(boxes, scores):
         assert torch.equal(keep.cpu(), torchvision_nms(boxes, scores, threshold))
@@ -339,8 +326,7 @@ def test_batched_nms_is_per_category_nms(device, data):
     keep = batched_nms(boxes, scores, idxs, threshold)
     assert keep.device == boxes.device
     check_order(keep, boxes, scores)
-    if reference_holds(boxes, threshold):
-        assert torch.equal(keep.cpu(), ref.batched_nms(boxes.cpu(), scores.cpu(), idxs.cpu(), threshold))
+    assert torch.equal(keep.cpu(), ref.batched_nms(boxes.cpu(), scores.cpu(), idxs.cpu(), threshold))
     assert torch.equal(keep.cpu(), per_category(boxes, scores, idxs, threshold))
     if torchvision_defines(boxes, scores):
         # per category, torchvision's NMS keeps the same boxes
@@ -408,10 +394,9 @@ def test_nms_padded_rows_are_nms_per_image(device, data):
     assert idx.shape == (batch, max_output) and counts.shape == (batch,)
     assert idx.dtype == torch.int64 and counts.dtype == torch.int64
     assert idx.device == boxes.device and counts.device == boxes.device
-    if reference_holds(boxes, threshold):
-        expected = ref_padded.nms_padded(boxes.cpu(), scores.cpu(), threshold, score_threshold, max_output)
-        assert torch.equal(counts.cpu(), expected[1])
-        assert torch.equal(idx.cpu(), expected[0])
+    expected = ref_padded.nms_padded(boxes.cpu(), scores.cpu(), threshold, score_threshold, max_output)
+    assert torch.equal(counts.cpu(), expected[1])
+    assert torch.equal(idx.cpu(), expected[0])
     for b in range(batch):
         passing = torch.nonzero(ref_padded.score_mask(scores[b].cpu(), score_threshold)).flatten().to(boxes.device)
         keep = passing[nms(boxes[b][passing], scores[b][passing], threshold)][:max_output]
@@ -452,11 +437,6 @@ def test_nms_infinite_sides_negative_threshold(device):
         assert batched_nms(boxes.to(device), scores.to(device), idxs, -0.5).tolist() == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="detops/reference/nms.py: iou_rows' nan_to_num(nan=0.0) also maps an infinite intersection "
-    "side to the largest float, so the IoU of two infinite boxes is 0, not NaN",
-)
 @pytest.mark.parametrize("case", [0, 1])
 def test_reference_nms_infinite_sides_negative_threshold(case):
     boxes, scores, expected = infinite_side_boxes()[case]

@@ -1,6 +1,8 @@
 """Reference NMS in plain PyTorch (float64 IoU-free comparisons follow the kernels' rules)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -17,7 +19,9 @@ def iou_rows(boxes: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
     r, c = b[rows], b[cols]
     lt = torch.maximum(r[:, None, :2], c[None, :, :2])
     rb = torch.minimum(r[:, None, 2:], c[None, :, 2:])
-    wh = (rb - lt).clamp(min=0).nan_to_num(nan=0.0)
+    # a NaN side (a NaN corner) is no overlap; an infinite one stays infinite, so that two
+    # boxes with an infinite intersection get IoU inf / inf = NaN, as in the kernels
+    wh = (rb - lt).clamp(min=0).nan_to_num(nan=0.0, posinf=math.inf)
     inter = wh[..., 0] * wh[..., 1]
     return inter / ((area[rows][:, None] + area[cols][None, :]) - inter)
 
