@@ -18,6 +18,8 @@
 #include <detops/detops.h>
 #include <detops/detops_aot.h>
 
+#include "aot_call.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
@@ -565,30 +567,13 @@ void autocast_cases() {
 
 // ---- the C ABI -----------------------------------------------------------------------------
 
-using AotFn = int (*)(int, void**, int*, int64_t**, const char**, void*, void*);
+using detops_test::AotFn;
 
-// One call's parameter list, as a host framework passes it.
-struct AotCall {
-  std::vector<void*> params;
-  std::vector<int> ndims;
-  std::vector<std::vector<int64_t>> shape_store;
-  std::vector<int64_t*> shapes;
-  std::vector<const char*> dtypes;
-
-  void add(void* data, std::vector<int64_t> shape, const char* dtype) {
-    params.push_back(data);
-    ndims.push_back(static_cast<int>(shape.size()));
-    shape_store.push_back(std::move(shape));
-    dtypes.push_back(dtype);
-  }
+// A C ABI parameter list that also takes tensors (their data, sizes and dtype name).
+struct AotCall : detops_test::AotCallList {
+  using AotCallList::add;
   void add(const at::Tensor& t, const char* dtype) {
     add(t.data_ptr(), std::vector<int64_t>(t.sizes().begin(), t.sizes().end()), dtype);
-  }
-  int operator()(AotFn fn, int nparam = -1) {
-    shapes.clear();
-    for (auto& s : shape_store) shapes.push_back(s.empty() ? nullptr : s.data());
-    return fn(nparam >= 0 ? nparam : static_cast<int>(params.size()), params.data(), ndims.data(),
-              shapes.data(), dtypes.data(), nullptr, nullptr);
   }
 };
 

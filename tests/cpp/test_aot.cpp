@@ -2,32 +2,15 @@
 #include <detops/detops_aot.h>
 #include <gtest/gtest.h>
 
+#include "aot_call.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace {
 
-struct Call {
-  std::vector<void*> params;
-  std::vector<int> ndims;
-  std::vector<std::vector<int64_t>> shape_store;
-  std::vector<int64_t*> shapes;
-  std::vector<const char*> dtypes;
-
-  void add(void* data, std::vector<int64_t> shape, const char* dtype) {
-    params.push_back(data);
-    ndims.push_back(static_cast<int>(shape.size()));
-    shape_store.push_back(std::move(shape));
-    dtypes.push_back(dtype);
-  }
-  int operator()(int (*fn)(int, void**, int*, int64_t**, const char**, void*, void*)) {
-    shapes.clear();
-    for (auto& s : shape_store) shapes.push_back(s.data());
-    return fn(static_cast<int>(params.size()), params.data(), ndims.data(), shapes.data(), dtypes.data(),
-              nullptr, nullptr);
-  }
-};
+using Call = detops_test::AotCallList;
 
 TEST(Aot, NmsFillsKeepAndCount) {
   float boxes[] = {0, 0, 10, 10, 1, 1, 10, 10, 20, 20, 30, 30};
