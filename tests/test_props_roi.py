@@ -540,7 +540,9 @@ class AlignOracle:
         assert not bad.any(), f"{what}: gradient off by {err[bad].max().item():.3g} (tolerance {tol[bad].min().item():.3g})"
 
 
-def align_inputs(case, device):
+def roi_inputs(case, device, sparse_grad=False):
+    """The map, the RoIs (a list of per-image boxes when the case says so) and an output gradient
+    for a drawn roi_align / roi_pool case; with sparse_grad, some RoIs get no gradient."""
     dtype = case["dtype"]
     shape = (case["batch"], case["channels"], case["height"], case["width"])
     x = feature_values(shape, case["values"], case["seed"], dtype).to(device)
@@ -549,9 +551,13 @@ def align_inputs(case, device):
         rois = sorted_by_image(rois)
     g = torch.Generator().manual_seed(case["seed"] + 1)
     grad = torch.randn((rois.size(0), case["channels"]) + tuple(case["output_size"]), generator=g, dtype=torch.float64)
-    if grad.size(0) > 1:
+    if sparse_grad and grad.size(0) > 1:
         grad[:: max(2, grad.size(0) // 2)] = 0  # RoIs without gradient add nothing
     return x, rois, grad.to(dtype)
+
+
+def align_inputs(case, device):
+    return roi_inputs(case, device, sparse_grad=True)
 
 
 def run_roi_align(x, boxes, case, grad, layout=None):
@@ -673,15 +679,7 @@ def test_roi_align_properties(device, case):
 
 
 def pool_inputs(case, device):
-    dtype = case["dtype"]
-    shape = (case["batch"], case["channels"], case["height"], case["width"])
-    x = feature_values(shape, case["values"], case["seed"], dtype).to(device)
-    rois = case["rois"].to(dtype).to(device)
-    if case["as_list"]:
-        rois = sorted_by_image(rois)
-    g = torch.Generator().manual_seed(case["seed"] + 1)
-    grad = torch.randn((rois.size(0), case["channels"]) + tuple(case["output_size"]), generator=g, dtype=torch.float64)
-    return x, rois, grad.to(dtype)
+    return roi_inputs(case, device)
 
 
 def pool_reference(x, rois, case, grad):
