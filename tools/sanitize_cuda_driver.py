@@ -18,11 +18,10 @@ same indices, roi_pool's variants the same values and argmax, the deterministic 
 same bits run to run) and exits 1 on a mismatch or an unexpected exception.
 
     python tools/sanitize_cuda_driver.py [--device cuda|cpu] [--quick] [--only OPS]
-                                         [--require-variants] [--kernels]
+                                         [--kernels]
 
 --device cpu runs the same calls on the CPU (the knobs are then no-ops), which checks the
-driver itself on a machine without a GPU. --require-variants fails when a knob or one of its
-names is missing from this build (sanitize_cuda.sh passes it). --kernels (CUDA, without a
+driver itself on a machine without a GPU. --kernels (CUDA, without a
 sanitizer) lists, from a profile of the run, the detops kernels of csrc/cuda that never ran.
 """
 from __future__ import annotations
@@ -130,44 +129,6 @@ class Run:
 # ---- knobs ------------------------------------------------------------------------------------
 
 
-def roi_kernel_names(missing: List[str]) -> List[str]:
-    names = []
-    for name in ROI_KERNELS:
-        try:
-            with _utils.roi_kernel(name):
-                pass
-            names.append(name)
-        except (RuntimeError, ValueError):
-            missing.append(f"roi_kernel('{name}')")
-    return names
-
-
-def nms_variants(missing: List[str]) -> List[Tuple[str, str]]:
-    knob = getattr(_utils, "nms_kernel", None)
-    if knob is None:
-        missing.append("detops.ops._utils.nms_kernel")
-        return [("auto", "auto")]
-    out = []
-    for rank, pass_ in itertools.product(NMS_RANKS, NMS_PASSES):
-        try:
-            with knob(rank, pass_):
-                pass
-            out.append((rank, pass_))
-        except (RuntimeError, ValueError):
-            missing.append(f"nms_kernel({rank!r}, {pass_!r})")
-    return out
-
-
-@contextlib.contextmanager
-def nms_kernel(rank: str, pass_: str) -> Iterator[None]:
-    knob = getattr(_utils, "nms_kernel", None)
-    if knob is None:
-        yield
-        return
-    with knob(rank, pass_):
-        yield
-
-
 @contextlib.contextmanager
 def deterministic(pass_limits: Tuple[int, int, bool] = (0, 0, False)) -> Iterator[None]:
     was = torch.are_deterministic_algorithms_enabled()
@@ -262,7 +223,7 @@ def nms_section(run: Run, variants: List[Tuple[str, str]], quick: bool) -> None:
     thresholds = (0.5, -0.1) if quick else (0.5, 0.0, 1.0, -0.1)
     first: Dict[tuple, object] = {}
     for rank, pass_ in variants:
-        with nms_kernel(rank, pass_):
+        with _utils.nms_kernel(rank, pass_):
             for dt in DTYPES:
                 for n in sizes:
                     for nf in (False, True):
@@ -293,7 +254,7 @@ def nms_padded_section(run: Run, variants: List[Tuple[str, str]], quick: bool) -
     sizes = (0, 1, 40, 600) if quick else (0, 1, 40, 600, 3000)
     first: Dict[tuple, object] = {}
     for rank in ranks:
-        with nms_kernel(rank, "auto"):
+        with _utils.nms_kernel(rank, "auto"):
             for dt in DTYPES:
                 for b in batches:
                     for n in sizes:
@@ -499,7 +460,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--quick", action="store_true", help="a smaller matrix, for racecheck and initcheck")
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {','.join(SECTIONS)}")
-    p.add_argument("--require-variants", action="store_true", help="fail when a kernel knob or name is missing")
     p.add_argument("--kernels", action="store_true", help="list the csrc/cuda kernels the run never launched")
     args = p.parse_args(argv)
     sections = [s for s in args.only.split(",") if s]
@@ -513,13 +473,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("sanitize_cuda_driver: detops._C was built without CUDA kernels", file=sys.stderr)
         return 2
 
-    missing: List[str] = []
-    kernels = roi_kernel_names(missing)
-    variants = nms_variants(missing)
-    if missing:
-        print("sanitize_cuda_driver: kernel knobs missing from this build: " + ", ".join(missing))
-        if args.require_variants:
-            return 2
+    kernels = list(ROI_KERNELS)
+    variants = list(itertools.product(NMS_RANKS, NMS_PASSES))
 
     run = Run(args.device)
     profiler = None
