@@ -1,8 +1,9 @@
 // Process-wide kernel settings for tests and benchmarks that compare detops' kernels on the same
 // inputs, or reach paths that only huge inputs take otherwise. Internal: not part of the
 // installed API (csrc/detops.h); Python reaches them through detops._C._set_roi_kernel,
-// detops._C._set_cpu_vector (detops/ops/_utils.py wraps both) and
-// detops._C._set_deterministic_pass_limits. The settings live in csrc/vision.cpp.
+// detops._C._set_nms_kernel, detops._C._set_cpu_vector (detops/ops/_utils.py wraps these) and
+// detops._C._set_deterministic_pass_limits. The settings live in csrc/vision.cpp, except the
+// NMS one, which is defined below.
 #pragma once
 
 #include <atomic>
